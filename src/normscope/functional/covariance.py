@@ -1,0 +1,345 @@
+"""Streaming float64 covariance: the accumulator every normscope read is taken from.
+
+METRICS.md §0. A tapped tensor of shape ``(..., d)`` becomes rows ``(N, d)``. Each batch is
+reduced to ``(n_b, mu_b, M_b)`` -- its row count, mean and *centred* co-moment
+``M_b = sum (x - mu_b)(x - mu_b)^T`` -- and folded into the running state with Chan's pairwise
+update::
+
+    delta = mu_b - mu_a
+    n     = n_a + n_b
+    mu    = mu_a + delta * n_b / n
+    M     = M_a + M_b + delta delta^T * n_a n_b / n
+
+Why not raw sums of ``x`` and ``x x^T``: the covariance from raw sums is a difference of two
+numbers of size ``mu^2`` and loses ``eps * (mu / sigma)^2`` of relative accuracy. Residual
+streams carry channels with means of 1e4 and spreads of 1: a raw float64 sum keeps about eight
+digits there, the centred co-moment keeps them all (``tests/functional/test_covariance.py``
+shows both side by side).
+
+Design choices, written down because they matter inside a training step:
+
+* **No host sync in ``update``.** Masked-out rows and rows holding NaN/Inf are given weight 0
+  instead of being removed by boolean indexing (which would need their count on the host).
+  The row count lives on the device as a float64 scalar (exact up to 2**53 rows).
+* **Not a ``torchmetrics.Metric``.** torchmetrics' default ``sync`` gathers every rank's state
+  before reducing: ``world_size x d^2 x 8`` bytes of transient memory per accumulator (d = 4096,
+  8 ranks: about 1 GB). :meth:`StreamingCovariance.reduce_` instead sums re-centred co-moments
+  in place with one ``all_reduce``: the memory of one state, whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+
+__all__ = ["StreamingCovariance", "symmetric_eigh"]
+
+
+class StreamingCovariance:
+    """Float64 running mean and centred co-moment of a stream of ``d``-dimensional rows.
+
+    Args:
+        dim: the row width ``d`` (the last dimension of every tensor passed to :meth:`update`).
+        device: where the float64 state lives; default the CPU. Put it on the activation's
+            device: the rank-k update then runs where the rows already are.
+        max_rows: if set, each :meth:`update` keeps a uniform random subset of at most this many
+            rows (before masking), drawn from a generator seeded with ``seed``.
+        seed: seed of the subsampling generator.
+
+    Example::
+
+        >>> import torch
+        >>> from normscope.functional import StreamingCovariance
+        >>> acc = StreamingCovariance(4)
+        >>> acc.update(torch.randn(8, 16, 4))          # (batch, tokens, d): 128 rows
+        >>> acc.update(torch.randn(3, 4), mask=torch.tensor([1, 0, 1]))  # 2 more rows
+        >>> acc.count
+        130
+        >>> acc.covariance().shape
+        torch.Size([4, 4])
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        device: torch.device | str | None = None,
+        *,
+        max_rows: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+            raise ValueError(f"StreamingCovariance: dim must be a positive int, got {dim!r}")
+        if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
+            raise ValueError(
+                f"StreamingCovariance: max_rows must be None or a positive int, got {max_rows!r}"
+            )
+        self.dim = dim
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "mps":
+            raise ValueError(
+                "StreamingCovariance: Apple MPS has no float64; keep the accumulator on the CPU "
+                "(device='cpu') and rows are copied there"
+            )
+        self.max_rows = max_rows
+        self.seed = seed
+        self._generator: torch.Generator | None = None
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every row (the subsampling generator keeps its position)."""
+        f64 = {"dtype": torch.float64, "device": self.device}
+        self._n = torch.zeros((), **f64)
+        self._mean = torch.zeros(self.dim, **f64)
+        self._comoment = torch.zeros(self.dim, self.dim, **f64)
+        self._rejected = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    @property
+    def count(self) -> int:
+        """Rows accumulated so far (a host sync: call it at read time, not in a hook)."""
+        return int(self._n.item())
+
+    @property
+    def rows_rejected(self) -> int:
+        """Rows dropped because they held NaN or Inf (masked-out rows are not counted)."""
+        return int(self._rejected.item())
+
+    @property
+    def count_tensor(self) -> torch.Tensor:
+        """The row count as a float64 device scalar (no host sync)."""
+        return self._n
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The running mean ``mu``, float64, shape ``(d,)``."""
+        return self._mean
+
+    @property
+    def comoment(self) -> torch.Tensor:
+        """The centred co-moment ``M = sum (x - mu)(x - mu)^T``, float64, shape ``(d, d)``."""
+        return self._comoment
+
+    def covariance(self) -> torch.Tensor:
+        """Population covariance ``C = M / n`` (float64 ``(d, d)``); all NaN when ``n == 0``."""
+        return self._comoment / self._n.clamp_min(1) + _nan_if_empty(self._n)
+
+    def second_moment(self) -> torch.Tensor:
+        """Uncentred second moment ``S = C + mu mu^T`` (float64 ``(d, d)``)."""
+        return self.covariance() + torch.outer(self._mean, self._mean)
+
+    # ----------------------------------------------------------------- update
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Fold the rows of ``x`` (shape ``(..., d)``, any float dtype) into the state.
+
+        Args:
+            x: activations; every leading dimension is a row index (tokens, patches, ...).
+            mask: optional, shape ``x.shape[:-1]``; rows where it is zero/False are skipped
+                (padding). Bool, integer or float masks are accepted (non-zero keeps a row).
+
+        Rows with a NaN or Inf entry are dropped and counted in :attr:`rows_rejected`.
+        Nothing here reads a value back to the host.
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"StreamingCovariance.update: expected a tensor, got {type(x).__name__}"
+            )
+        if x.ndim == 0 or x.shape[-1] != self.dim:
+            raise ValueError(
+                f"StreamingCovariance.update: rows must have width d={self.dim}, "
+                f"got a tensor of shape {tuple(x.shape)}"
+            )
+        if x.is_complex():
+            raise TypeError(
+                f"StreamingCovariance.update: complex rows are not supported ({x.dtype})"
+            )
+        rows = rearrange(x.detach(), "... d -> (...) d")
+        keep = None
+        if mask is not None:
+            if tuple(mask.shape) != tuple(x.shape[:-1]):
+                raise ValueError(
+                    "StreamingCovariance.update: mask must have the shape of x without its last "
+                    f"dimension, {tuple(x.shape[:-1])}; got {tuple(mask.shape)}"
+                )
+            keep = rearrange(mask.detach(), "... -> (...)").to(rows.device) != 0
+        if rows.shape[0] == 0:
+            return
+        if self.max_rows is not None and rows.shape[0] > self.max_rows:
+            pick = torch.randperm(
+                rows.shape[0], generator=self._gen(rows.device), device=rows.device
+            )
+            pick = pick[: self.max_rows]
+            rows = rows[pick]
+            keep = keep[pick] if keep is not None else None
+        self._fold(rows, keep)
+
+    def _fold(self, rows: torch.Tensor, keep: torch.Tensor | None) -> None:
+        # Always a private float64 copy: the in-place steps below must never touch the caller's
+        # tensor. Every step is one pass over the rows; the rank-N product is the only O(N d^2).
+        rows = rows.to(device=self.device, dtype=torch.float64, copy=True)
+        # A row sum is non-finite iff the row holds a NaN/Inf (or sums past 1e308): one cheap
+        # reduction instead of an elementwise isfinite over N x d.
+        finite = torch.isfinite(rows.sum(dim=1))
+        if keep is None:
+            weight = finite
+        else:
+            keep = keep.to(self.device)
+            weight = keep & finite
+            # A masked-out row is padding, not a bad row: only kept rows count as rejected.
+            finite = finite | ~keep
+        self._rejected += (~finite).sum()
+        rows.masked_fill_(~weight[:, None], 0.0)
+        w = weight.to(torch.float64)
+        n_b = w.sum()
+        mean_b = rows.sum(dim=0) / n_b.clamp_min(1)
+        # Centre on the batch's own mean (the raw-sum trap avoided inside the batch too); rows
+        # with weight 0 are zeroed again so that they add nothing to the co-moment.
+        rows.sub_(mean_b).mul_(w[:, None])
+        self._comoment.addmm_(rows.mT, rows)
+        self._merge_moments(n_b, mean_b, None)
+
+    def _merge_moments(
+        self, n_b: torch.Tensor, mean_b: torch.Tensor, comoment_b: torch.Tensor | None
+    ) -> None:
+        # Chan et al. (1979) pairwise update; safe when either side is empty (n_b / n -> 0 or 1).
+        n_a = self._n
+        n = n_a + n_b
+        delta = mean_b - self._mean
+        share = n_b / n.clamp_min(1)
+        if comoment_b is not None:
+            self._comoment += comoment_b
+        self._comoment += torch.outer(delta, delta) * (n_a * share)
+        self._mean += delta * share
+        self._n = n
+
+    def merge(self, other: StreamingCovariance) -> StreamingCovariance:
+        """Fold another accumulator's rows into this one (exact; order does not matter)."""
+        if not isinstance(other, StreamingCovariance):
+            raise TypeError(f"merge: expected a StreamingCovariance, got {type(other).__name__}")
+        if other.dim != self.dim:
+            raise ValueError(f"merge: dimensions differ ({self.dim} vs {other.dim})")
+        self._merge_moments(
+            other._n.to(self.device), other._mean.to(self.device), other._comoment.to(self.device)
+        )
+        self._rejected += other._rejected.to(self.device)
+        return self
+
+    # -------------------------------------------------------------- processes
+    def reduce_(self, group: Any = None) -> StreamingCovariance:
+        """Merge the state of every process in ``group`` exactly, in place, on every rank.
+
+        METRICS §0: first the global count and mean (one small ``all_reduce`` of
+        ``[n, n*mu, rejected]``), then each rank re-centres its co-moment on the global mean,
+        ``M_r + n_r (mu_r - mu)(mu_r - mu)^T``, and the ``d x d`` co-moments are summed in one
+        ``all_reduce``. Peak memory is one state, not one per rank. Every rank of the group must
+        call it at the same point (it is a collective). A no-op when ``torch.distributed`` is not
+        initialised or the world has one process.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        if dist.get_world_size(group) == 1:
+            return self
+        head = torch.cat(
+            [self._n.reshape(1), self._n * self._mean, self._rejected.to(torch.float64).reshape(1)]
+        )
+        dist.all_reduce(head, op=dist.ReduceOp.SUM, group=group)
+        n = head[0]
+        mean = head[1:-1] / n.clamp_min(1)
+        delta = self._mean - mean
+        comoment = self._comoment + torch.outer(delta, delta) * self._n
+        dist.all_reduce(comoment, op=dist.ReduceOp.SUM, group=group)
+        self._n = n
+        self._mean = mean
+        self._comoment = comoment
+        self._rejected = head[-1].round().to(torch.int64)
+        return self
+
+    # ------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """A dict of plain tensors and ints; :meth:`load_state_dict` restores it exactly."""
+        state: dict[str, Any] = {
+            "dim": self.dim,
+            "max_rows": self.max_rows,
+            "seed": self.seed,
+            "n": self._n.clone(),
+            "mean": self._mean.clone(),
+            "comoment": self._comoment.clone(),
+            "rows_rejected": self._rejected.clone(),
+        }
+        if self._generator is not None:
+            state["generator"] = self._generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; tensors go to *this* accumulator's device."""
+        if int(state["dim"]) != self.dim:
+            raise ValueError(
+                f"load_state_dict: state has d={state['dim']}, accumulator has d={self.dim}"
+            )
+        put = {"device": self.device}
+        self._n = state["n"].to(dtype=torch.float64, **put).reshape(())
+        self._mean = state["mean"].to(dtype=torch.float64, **put).clone()
+        self._comoment = state["comoment"].to(dtype=torch.float64, **put).clone()
+        self._rejected = state["rows_rejected"].to(dtype=torch.int64, **put).reshape(())
+        self.max_rows = state.get("max_rows", self.max_rows)
+        self.seed = state.get("seed", self.seed)
+        if "generator" in state:
+            self._gen(self.device).set_state(state["generator"])
+
+    def to(self, device: torch.device | str) -> StreamingCovariance:
+        """Move the state to ``device`` (in place) and return ``self``."""
+        self.device = torch.device(device)
+        self._n, self._mean = self._n.to(self.device), self._mean.to(self.device)
+        self._comoment, self._rejected = (
+            self._comoment.to(self.device),
+            self._rejected.to(self.device),
+        )
+        self._generator = None
+        return self
+
+    def _gen(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
+
+    def __repr__(self) -> str:
+        return (
+            f"StreamingCovariance(dim={self.dim}, device={self.device}, max_rows={self.max_rows})"
+        )
+
+
+def _nan_if_empty(n: torch.Tensor) -> torch.Tensor:
+    # 0 where there are rows, NaN where there are none: keeps covariance() free of host syncs.
+    return torch.where(n > 0, torch.zeros_like(n), torch.full_like(n, math.nan))
+
+
+def symmetric_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 eigen-decomposition of a symmetric matrix, eigenvalues ascending.
+
+    Symmetrises ``(A + A^T) / 2`` first (a co-moment is symmetric only up to rounding). Runs
+    ``torch.linalg.eigh`` on the matrix's own device; if the device solver fails (it can on
+    ill-conditioned input, and some backends have no float64 solver) it retries on the CPU and
+    returns the result on the original device.
+
+    Returns:
+        ``(eigenvalues (d,), eigenvectors (d, d))``, columns the eigenvectors.
+    """
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(
+            f"symmetric_eigh: expected a square matrix, got shape {tuple(matrix.shape)}"
+        )
+    device = matrix.device
+    a = matrix.to(torch.float64)
+    a = (a + a.T) * 0.5
+    try:
+        evals, evecs = torch.linalg.eigh(a)
+    except (RuntimeError, NotImplementedError, TypeError):
+        if device.type == "cpu":
+            raise
+        evals, evecs = torch.linalg.eigh(a.cpu())
+        evals, evecs = evals.to(device), evecs.to(device)
+    return evals, evecs

@@ -1,0 +1,274 @@
+"""StreamingCovariance against numpy's two-pass covariance (np.cov(..., bias=True)).
+
+Tolerances: a float64 two-pass covariance of N rows is exact to a few ulps times sqrt(N); the
+1e-12 relative Frobenius bound used throughout leaves about three orders of magnitude of room,
+while a raw-sum accumulation misses it by orders of magnitude on offset data.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from normscope.functional import StreamingCovariance, symmetric_eigh
+
+
+def rel_fro(a: torch.Tensor | np.ndarray, b: np.ndarray) -> float:
+    a = a.numpy() if isinstance(a, torch.Tensor) else a
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def offset_rows(n: int, d: int, seed: int, offset: float = 1e4) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return offset + rng.standard_normal((n, d)) @ np.diag(rng.uniform(0.5, 1.5, d))
+
+
+def naive_raw_sum_covariance(batches: list[np.ndarray]) -> np.ndarray:
+    """The textbook shortcut: float64 sums of x and x x^T, then S/n - mu mu^T."""
+    d = batches[0].shape[1]
+    s1, s2, n = np.zeros(d), np.zeros((d, d)), 0
+    for b in batches:
+        s1 += b.sum(0)
+        s2 += b.T @ b
+        n += len(b)
+    mu = s1 / n
+    return s2 / n - np.outer(mu, mu)
+
+
+def test_large_offset_is_exact_and_raw_sums_are_not():
+    d = 256
+    x = offset_rows(8192, d, seed=0)
+    batches = np.array_split(x, 16)
+    acc = StreamingCovariance(d)
+    for b in batches:
+        acc.update(torch.from_numpy(b))
+    reference = np.cov(x, rowvar=False, bias=True)
+    ours = rel_fro(acc.covariance(), reference)
+    naive = rel_fro(naive_raw_sum_covariance(batches), reference)
+    assert ours <= 1e-12
+    # eps * (mu/sigma)^2 = 2e-16 * 1e8: the raw sums keep only about eight digits.
+    assert naive > 1e3 * ours and naive > 1e-10
+    np.testing.assert_allclose(acc.mean.numpy(), x.mean(0), rtol=1e-14)
+    assert acc.count == 8192
+
+
+def test_second_moment_is_uncentred():
+    x = offset_rows(1000, 8, seed=1, offset=3.0)
+    acc = StreamingCovariance(8)
+    acc.update(torch.from_numpy(x))
+    assert rel_fro(acc.second_moment(), x.T @ x / len(x)) <= 1e-13
+
+
+def test_fifty_uneven_batches_equal_one_pass():
+    rng = np.random.default_rng(2)
+    x = offset_rows(5000, 32, seed=2, offset=50.0)
+    cuts = np.sort(rng.choice(np.arange(1, 5000), size=49, replace=False))
+    chunks = np.split(x, cuts)
+    assert len(chunks) == 50
+    streamed, one_pass = StreamingCovariance(32), StreamingCovariance(32)
+    for c in chunks:
+        streamed.update(torch.from_numpy(c))
+    one_pass.update(torch.from_numpy(x))
+    assert rel_fro(streamed.covariance(), one_pass.covariance().numpy()) <= 1e-12
+    assert rel_fro(streamed.covariance(), np.cov(x, rowvar=False, bias=True)) <= 1e-12
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=0, max_value=40), min_size=2, max_size=8),
+    order_seed=st.integers(min_value=0, max_value=10_000),
+)
+def test_merge_order_does_not_matter(sizes, order_seed):
+    d = 5
+    rng = np.random.default_rng(order_seed)
+    parts = [offset_rows(n, d, seed=order_seed + i, offset=100.0) for i, n in enumerate(sizes)]
+    accs = []
+    for p in parts:
+        a = StreamingCovariance(d)
+        a.update(torch.from_numpy(p))
+        accs.append(a)
+    forward, shuffled = StreamingCovariance(d), StreamingCovariance(d)
+    for a in accs:
+        forward.merge(a)
+    for i in rng.permutation(len(accs)):
+        shuffled.merge(accs[i])
+    total = sum(sizes)
+    assert forward.count == shuffled.count == total
+    if total == 0:
+        assert torch.isnan(forward.covariance()).all()
+        return
+    x = np.concatenate(parts)
+    ref = np.cov(x, rowvar=False, bias=True) if total > 1 else np.zeros((d, d))
+    scale = max(np.linalg.norm(ref), 1e-300)
+    for acc in (forward, shuffled):
+        # absolute error against the data's scale: a single row has covariance exactly 0.
+        assert np.linalg.norm(acc.covariance().numpy() - ref) / scale <= 1e-11 or total == 1
+        np.testing.assert_allclose(acc.mean.numpy(), x.mean(0), rtol=1e-13)
+
+
+def test_mask_skips_rows():
+    x = torch.randn(4, 10, 6, dtype=torch.float64)
+    mask = torch.rand(4, 10) > 0.3
+    acc = StreamingCovariance(6)
+    acc.update(x, mask=mask)
+    kept = x[mask].numpy()
+    assert acc.count == len(kept)
+    assert acc.rows_rejected == 0
+    assert rel_fro(acc.covariance(), np.cov(kept, rowvar=False, bias=True)) <= 1e-13
+
+
+def test_integer_attention_mask_and_shape_error():
+    x = torch.randn(2, 5, 3)
+    acc = StreamingCovariance(3)
+    acc.update(x, mask=torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]))
+    assert acc.count == 4
+    with pytest.raises(ValueError, match="mask must have the shape"):
+        acc.update(x, mask=torch.ones(2, 4))
+
+
+def test_nan_and_inf_rows_are_dropped_and_counted():
+    x = torch.randn(100, 4, dtype=torch.float64)
+    x[3, 1] = math.nan
+    x[10, 0] = math.inf
+    x[11, 2] = -math.inf
+    mask = torch.ones(100, dtype=torch.bool)
+    mask[3] = False  # masked padding holding NaN is padding, not a rejected row
+    acc = StreamingCovariance(4)
+    acc.update(x, mask=mask)
+    good = np.delete(x.numpy(), [3, 10, 11], axis=0)
+    assert acc.count == 97
+    assert acc.rows_rejected == 2
+    assert torch.isfinite(acc.covariance()).all()
+    assert rel_fro(acc.covariance(), np.cov(good, rowvar=False, bias=True)) <= 1e-13
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_precision_input_is_accumulated_in_float64(dtype):
+    x = torch.randn(512, 16).to(dtype)
+    acc = StreamingCovariance(16)
+    acc.update(x)
+    assert acc.covariance().dtype == torch.float64
+    # the reference sees the same rounded values, so only float64 rounding separates them.
+    ref = np.cov(x.to(torch.float64).numpy(), rowvar=False, bias=True)
+    assert rel_fro(acc.covariance(), ref) <= 1e-13
+
+
+def test_empty_updates_change_nothing():
+    acc = StreamingCovariance(3)
+    acc.update(torch.empty(0, 3))
+    acc.update(torch.empty(2, 0, 3))
+    acc.update(torch.randn(4, 3), mask=torch.zeros(4))
+    assert acc.count == 0
+    assert torch.isnan(acc.covariance()).all()
+    x = torch.randn(10, 3, dtype=torch.float64)
+    acc.update(x)
+    acc.update(torch.empty(0, 3))
+    assert rel_fro(acc.covariance(), np.cov(x.numpy(), rowvar=False, bias=True)) <= 1e-13
+
+
+def test_dimension_mismatch_is_a_clear_error():
+    acc = StreamingCovariance(8)
+    with pytest.raises(ValueError, match=r"width d=8.*\(4, 7\)"):
+        acc.update(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="dimensions differ"):
+        acc.merge(StreamingCovariance(9))
+    with pytest.raises(ValueError, match="positive int"):
+        StreamingCovariance(0)
+
+
+def test_subsampling_is_uniform_seeded_and_bounded():
+    x = torch.randn(1000, 4, dtype=torch.float64)
+    a, b = (
+        StreamingCovariance(4, max_rows=100, seed=7),
+        StreamingCovariance(4, max_rows=100, seed=7),
+    )
+    a.update(x)
+    b.update(x)
+    assert a.count == 100
+    assert torch.equal(a.covariance(), b.covariance())
+    c = StreamingCovariance(4, max_rows=100, seed=8)
+    c.update(x)
+    assert not torch.equal(a.covariance(), c.covariance())
+
+
+def test_state_dict_round_trip_keeps_device_and_values(tmp_path):
+    acc = StreamingCovariance(6, max_rows=50, seed=3)
+    acc.update(torch.randn(80, 6) + 1e3)
+    acc.update(torch.full((2, 6), math.nan))
+    path = tmp_path / "acc.pt"
+    torch.save(acc.state_dict(), path)
+    restored = StreamingCovariance(6, device="cpu")
+    restored.load_state_dict(torch.load(path, weights_only=True))
+    assert restored.device == torch.device("cpu")
+    assert restored.mean.device == torch.device("cpu")
+    assert restored.count == acc.count and restored.rows_rejected == acc.rows_rejected == 2
+    assert torch.equal(restored.covariance(), acc.covariance())
+    # the subsampling generator continues where it was.
+    nxt = torch.randn(80, 6)
+    acc.update(nxt)
+    restored.update(nxt)
+    assert torch.equal(restored.covariance(), acc.covariance())
+    with pytest.raises(ValueError, match="d=6"):
+        StreamingCovariance(5).load_state_dict(acc.state_dict())
+
+
+def test_symmetric_eigh_matches_numpy():
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((20, 20))
+    a = a @ a.T
+    evals, evecs = symmetric_eigh(torch.from_numpy(a))
+    np.testing.assert_allclose(evals.numpy(), np.linalg.eigvalsh(a), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        evecs.numpy() @ np.diag(evals.numpy()) @ evecs.numpy().T, a, atol=1e-10
+    )
+    with pytest.raises(ValueError, match="square"):
+        symmetric_eigh(torch.zeros(3, 4))
+
+
+# ------------------------------------------------------------------- two real processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reduce_worker(rank: int, world: int, port: int, parts: list[np.ndarray], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        acc = StreamingCovariance(parts[rank].shape[1])
+        acc.update(torch.from_numpy(parts[rank]))
+        acc.update(torch.full((3, parts[rank].shape[1]), math.nan, dtype=torch.float64))
+        acc.reduce_()
+        torch.save(acc.state_dict(), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rows", [(700, 300), (1000, 0)], ids=["uneven", "one-rank-empty"])
+def test_two_process_reduce_equals_single_process(tmp_path, rows):
+    d = 24
+    parts = [offset_rows(n, d, seed=10 + i, offset=1e4 * (i + 1)) for i, n in enumerate(rows)]
+    mp.spawn(_reduce_worker, args=(2, _free_port(), parts, str(tmp_path)), nprocs=2, join=True)
+    union = np.concatenate(parts)
+    single = StreamingCovariance(d)
+    single.update(torch.from_numpy(union))
+    reference = np.cov(union, rowvar=False, bias=True)
+    for rank in range(2):
+        state = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        acc = StreamingCovariance(d)
+        acc.load_state_dict(state)
+        assert acc.count == len(union)
+        assert acc.rows_rejected == 6
+        assert rel_fro(acc.covariance(), single.covariance().numpy()) <= 1e-12
+        assert rel_fro(acc.covariance(), reference) <= 1e-12
+        np.testing.assert_allclose(acc.mean.numpy(), union.mean(0), rtol=1e-14)
