@@ -25,5 +25,10 @@ lint: venv
 test: lint
 	$(VENV)/bin/pytest -q
 
+# The main job: a small pre-norm GPT trained on this machine's Python sources with
+# DeadDirectionMonitor attached; logs to CSV and W&B (offline unless you are logged in).
+demo: venv
+	$(PY) examples/demo.py $(DEMO_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

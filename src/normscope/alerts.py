@@ -1,0 +1,320 @@
+"""Alert rules, debounce and sinks.
+
+A *rule* looks at one read (the flat metric dict a monitor logs, plus the step) and returns the
+alerts it raises; it keeps its own debounce state (patience, warm-up) and can be checkpointed.
+A *sink* delivers an alert: to Python logging, to W&B (``run.alert``), to a callable of yours.
+Stopping training is not a sink but a monitor option (``stop_on_alert``), because the decision
+must be reduced across processes so that every rank stops at the same step.
+
+Example::
+
+    from normscope.alerts import SigmaMinRatioRule, CallableRule
+    rules = [SigmaMinRatioRule(alert_below=1.0, tolerance=0.2, patience=2),
+             CallableRule("loss_spike", lambda m, step: "kernel lost" if m.get("x", 0) > 1 else None)]
+    DeadDirectionMonitor(rules=rules, alerts=("log", my_pager))
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = [
+    "Alert",
+    "AlertRule",
+    "CallableRule",
+    "CallableSink",
+    "KernelLossRule",
+    "LogSink",
+    "SigmaMinRatioRule",
+    "WandbSink",
+    "build_sinks",
+]
+
+logger = logging.getLogger("normscope")
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alert: which rule, which metric key, where (point and sublayer), when, how bad."""
+
+    rule: str
+    key: str
+    step: int
+    value: float
+    threshold: float
+    message: str
+    point: str | None = None
+    sublayer: str | None = None
+
+    @property
+    def title(self) -> str:
+        """A short title (W&B caps alert titles near 64 characters)."""
+        where = f" at {self.sublayer}" if self.sublayer else ""
+        return f"normscope: {self.rule}{where}"[:63]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "key": self.key,
+            "step": self.step,
+            "value": self.value,
+            "threshold": self.threshold,
+            "point": self.point,
+            "sublayer": self.sublayer,
+            "message": self.message,
+        }
+
+
+class AlertRule(Protocol):
+    name: str
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class SigmaMinRatioRule:
+    """Residual collapse: a cumulative ``sigma_min`` ratio below ``alert_below - tolerance``.
+
+    METRICS §1.4: with identity skips and no cancellation every ratio is >= 1. Random-init and
+    early-training models need not satisfy no-cancellation and dip a little below 1 with nothing
+    wrong, so the rule has a tolerance, a patience (consecutive reads below) and warm-up reads
+    that never alert. The defaults come from measurements on the demo (README, "Alerts").
+
+    Args:
+        alert_below: the theoretical floor (1.0).
+        tolerance: how far below ``alert_below`` a ratio may dip before it counts.
+        patience: consecutive reads below the threshold before the alert fires.
+        warmup_reads: the first reads of a run, which never alert.
+        sublayers: the profile's ``sublayer`` names, by point, for messages (the monitor fills it).
+    """
+
+    name = "sigma_min_collapse"
+
+    def __init__(
+        self,
+        alert_below: float = 1.0,
+        tolerance: float = 0.2,
+        patience: int = 1,
+        warmup_reads: int = 0,
+    ) -> None:
+        if patience < 1:
+            raise ValueError(f"SigmaMinRatioRule: patience must be >= 1, got {patience}")
+        if tolerance < 0 or warmup_reads < 0:
+            raise ValueError("SigmaMinRatioRule: tolerance and warmup_reads must be >= 0")
+        self.alert_below = alert_below
+        self.tolerance = tolerance
+        self.patience = patience
+        self.warmup_reads = warmup_reads
+        self.sublayers: dict[str, str | None] = {}
+        self.reads = 0
+        self.below: dict[str, int] = {}
+
+    @property
+    def threshold(self) -> float:
+        return self.alert_below - self.tolerance
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
+        self.reads += 1
+        alerts: list[Alert] = []
+        for key, value in metrics.items():
+            if not key.endswith("/sigma_min_ratio") or not math.isfinite(value):
+                continue  # NaN (too few rows) never alerts
+            point = key[len("dd/") : -len("/sigma_min_ratio")]
+            if value < self.threshold:
+                self.below[point] = self.below.get(point, 0) + 1
+            else:
+                self.below[point] = 0
+            if self.reads <= self.warmup_reads or self.below[point] != self.patience:
+                continue  # fire once when patience is reached, not on every read after
+            sub = self.sublayers.get(point)
+            step_value = metrics.get(f"dd/{point}/sigma_min_step", math.nan)
+            alerts.append(
+                Alert(
+                    self.name,
+                    key,
+                    step,
+                    float(value),
+                    self.threshold,
+                    f"residual stream sigma_min fell to {value:.3g}x its entry value at {point}"
+                    f" (after the {sub or 'block'} sublayer; step ratio {step_value:.3g}) at step "
+                    f"{step}, below {self.threshold:.3g} for {self.patience} read(s)",
+                    point=point,
+                    sublayer=sub,
+                )
+            )
+        return alerts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reads": self.reads, "below": dict(self.below)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reads = int(state.get("reads", 0))
+        self.below = {str(k): int(v) for k, v in state.get("below", {}).items()}
+
+
+class KernelLossRule:
+    """A LayerNorm layer (no dead channels) whose exact kernel is gone: ``kernel_residual`` above
+    ``max_kernel_residual``. Exact-kernel layers sit at the forward's floor (about 1e-14 for a
+    float32 forward, 1e-5 for bfloat16), so the default 1e-4 holds for both.
+
+    ``kinds`` maps norm paths to their declared kind (the monitor fills it); only ``layernorm``
+    layers are checked.
+    """
+
+    name = "layernorm_kernel_lost"
+
+    def __init__(self, max_kernel_residual: float = 1e-4) -> None:
+        self.max_kernel_residual = max_kernel_residual
+        self.kinds: dict[str, str] = {}
+        self.firing: set[str] = set()
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
+        alerts = []
+        for path, kind in self.kinds.items():
+            if kind != "layernorm" or metrics.get(f"dd/{path}/dead_channels", 0) > 0:
+                continue
+            value = metrics.get(f"dd/{path}/kernel_residual", math.nan)
+            if not math.isfinite(value):
+                continue
+            if value <= self.max_kernel_residual:
+                self.firing.discard(path)
+                continue
+            if path in self.firing:
+                continue
+            self.firing.add(path)
+            alerts.append(
+                Alert(
+                    self.name,
+                    f"dd/{path}/kernel_residual",
+                    step,
+                    float(value),
+                    self.max_kernel_residual,
+                    f"LayerNorm {path} lost its exact kernel at step {step}: kernel_residual "
+                    f"{value:.3g} > {self.max_kernel_residual:.3g}",
+                    point=path,
+                )
+            )
+        return alerts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"firing": sorted(self.firing)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.firing = set(state.get("firing", []))
+
+
+class CallableRule:
+    """A rule of yours: ``fn(metrics, step)`` returns None, a message, an :class:`Alert`, or a
+    list of them."""
+
+    def __init__(self, name: str, fn: Callable[[Mapping[str, float], int], Any]) -> None:
+        self.name = name
+        self.fn = fn
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
+        out = self.fn(metrics, step)
+        if out is None:
+            return []
+        items = out if isinstance(out, (list, tuple)) else [out]
+        return [
+            a
+            if isinstance(a, Alert)
+            else Alert(self.name, self.name, step, math.nan, math.nan, str(a))
+            for a in items
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------- sinks
+class LogSink:
+    """Python logging (logger ``normscope``) plus a warning, so that a console shows it."""
+
+    def __call__(self, alert: Alert, trainer: Any = None) -> None:
+        import warnings
+
+        logger.warning(alert.message)
+        warnings.warn(f"normscope alert: {alert.message}", UserWarning, stacklevel=2)
+
+
+class WandbSink:
+    """``run.alert`` on every attached W&B run, rate-limited per (rule, key).
+
+    In offline mode W&B writes the alert into the local run file. ``min_interval_s`` is also
+    passed as ``wait_duration`` so that W&B's own limiter agrees.
+    """
+
+    def __init__(self, min_interval_s: float = 60.0) -> None:
+        self.min_interval_s = min_interval_s
+        self._last: dict[tuple[str, str], float] = {}
+
+    def __call__(self, alert: Alert, trainer: Any = None) -> None:
+        runs = _wandb_runs(trainer)
+        if not runs:
+            return
+        now = time.monotonic()
+        key = (alert.rule, alert.key)
+        if now - self._last.get(key, -math.inf) < self.min_interval_s:
+            return
+        self._last[key] = now
+        import wandb
+
+        for run in runs:
+            run.alert(
+                title=alert.title,
+                text=alert.message,
+                level=wandb.AlertLevel.WARN,
+                wait_duration=int(self.min_interval_s),
+            )
+
+
+class CallableSink:
+    """Your function, called as ``fn(alert)``."""
+
+    def __init__(self, fn: Callable[[Alert], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, alert: Alert, trainer: Any = None) -> None:
+        self.fn(alert)
+
+
+def _wandb_runs(trainer: Any) -> list[Any]:
+    if trainer is None:
+        return []
+    try:
+        from lightning.pytorch.loggers import WandbLogger
+    except ImportError:  # pragma: no cover
+        return []
+    return [lg.experiment for lg in getattr(trainer, "loggers", []) if isinstance(lg, WandbLogger)]
+
+
+def build_sinks(spec: Iterable[str | Callable[..., Any]] | str | None) -> list[Callable[..., Any]]:
+    """``("log", "wandb", fn)`` -> sink objects. Strings: ``"log"``, ``"wandb"``."""
+    if spec is None:
+        return []
+    items: Sequence[Any] = (spec,) if isinstance(spec, str) or callable(spec) else tuple(spec)
+    sinks: list[Callable[..., Any]] = []
+    for item in items:
+        if item == "log":
+            sinks.append(LogSink())
+        elif item == "wandb":
+            sinks.append(WandbSink())
+        elif isinstance(item, (LogSink, WandbSink, CallableSink)):
+            sinks.append(item)
+        elif callable(item):
+            sinks.append(CallableSink(item))
+        else:
+            raise ValueError(
+                f"alerts: unknown sink {item!r}; use 'log', 'wandb', a sink object or a callable"
+            )
+    return sinks

@@ -1,0 +1,344 @@
+"""``DeadDirectionMonitor``: the dead-direction reads as a Lightning callback."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from normscope.alerts import Alert, AlertRule, KernelLossRule, SigmaMinRatioRule, build_sinks
+from normscope.callbacks.wandb_extras import log_wandb_extras
+from normscope.monitors.dead_direction import DeadDirectionReport, DeadDirectionTracker
+from normscope.monitors.format import format_read_line, format_summary
+from normscope.monitors.scan import batch_mask, call_model
+from normscope.taps.norms import NormDiscoveryError
+
+__all__ = ["DeadDirectionMonitor"]
+
+
+def _fail_open(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A monitor must never crash or stall training: on its own failure it warns once,
+    removes its hooks, disables itself, and the fit goes on."""
+
+    @functools.wraps(method)
+    def guarded(self: DeadDirectionMonitor, *args: Any, **kwargs: Any) -> Any:
+        if self.disabled:
+            return None
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - fail-open is the contract
+            self._disable(f"{method.__name__}: {type(err).__name__}: {err}")
+            return None
+
+    return guarded
+
+
+class DeadDirectionMonitor(Callback):
+    r"""Log the dead-direction geometry of every norm layer and the residual stream's
+    ``sigma_min`` depth profile while a model trains, and alert when the stream collapses.
+
+    Every ``every_n_steps`` optimiser steps (and once at the first step, the baseline), the
+    hooks fold the rows of that step's training forwards (all gradient-accumulation
+    micro-batches) into float64 accumulators; at the end of the step the monitor reduces them
+    across processes, runs the reads of METRICS.md §1 and logs them to every logger and to
+    ``trainer.callback_metrics`` under ``dd/<module path>/<metric>`` and ``dd/<metric>``.
+    Between sampled steps the hooks return at once. Sanity-check and validation forwards are
+    never sampled.
+
+    Args:
+        every_n_steps: optimiser steps between reads (>= 1).
+        layers: ``"auto"`` (every norm layer) or a list of norm module paths (as
+            ``pl_module.named_modules()`` names them).
+        residual: track the residual stream's ``sigma_min`` profile. Finding the stream costs one
+            extra no-grad forward on the first training batch (``example_forward``).
+        max_rows_per_step: rows kept per tapped tensor per forward (seeded uniform subsample).
+        alert_below: the ``sigma_min`` ratio floor of the theory (1.0).
+        tolerance: how far below ``alert_below`` a ratio may dip before it counts (default 0.2,
+            measured on the demo: see the README's "Alerts").
+        patience: consecutive reads below the threshold before an alert.
+        warmup_reads: first reads that never alert.
+        kernel_residual_alert: alert when a LayerNorm layer's ``kernel_residual`` exceeds this
+            (``None`` disables that rule).
+        rules: extra :mod:`normscope.alerts` rules (objects with ``evaluate(metrics, step)``).
+        alerts: sinks: ``"log"``, ``"wandb"``, or callables ``fn(alert)``.
+        stop_on_alert: set ``trainer.should_stop`` when an alert fires (decided across ranks, so
+            all stop together).
+        null_tol: ``tau`` of ``null_dim``; raise it for bf16 forwards (e.g. 1e-4).
+        max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor); over it, norm
+            layers are taken at a stride over depth (the final norm always kept) and a warning
+            says which were left out.
+        example_forward: ``fn(pl_module, batch)`` running one forward, for residual discovery;
+            default: a dict batch as keyword arguments, a tuple batch by its first element.
+        verbose: print one line per read and a summary at the end of the fit (rank zero).
+        seed: seed of the row subsampling.
+
+    Raises:
+        MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
+            layer name.
+
+    Example::
+
+        from lightning import Trainer
+        from normscope import DeadDirectionMonitor
+
+        monitor = DeadDirectionMonitor(every_n_steps=50)
+        trainer = Trainer(callbacks=[monitor], max_steps=1000)
+        trainer.fit(model, datamodule)
+        trainer.callback_metrics["dd/sigma_min_ratio_min"]
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        layers: str | Sequence[str] = "auto",
+        residual: bool = True,
+        max_rows_per_step: int | None = 4096,
+        alert_below: float = 1.0,
+        tolerance: float = 0.2,
+        patience: int = 1,
+        warmup_reads: int = 0,
+        kernel_residual_alert: float | None = 1e-4,
+        rules: Sequence[AlertRule] = (),
+        alerts: Sequence[str | Callable[[Alert], Any]] = ("log", "wandb"),
+        stop_on_alert: bool = False,
+        null_tol: float = 1e-10,
+        max_memory: int | None = None,
+        example_forward: Callable[[LightningModule, Any], Any] | None = None,
+        verbose: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if (
+            not isinstance(every_n_steps, int)
+            or isinstance(every_n_steps, bool)
+            or every_n_steps < 1
+        ):
+            raise MisconfigurationException(
+                f"DeadDirectionMonitor: every_n_steps must be an int >= 1, got {every_n_steps!r}"
+            )
+        if max_rows_per_step is not None and max_rows_per_step < 1:
+            raise MisconfigurationException(
+                f"DeadDirectionMonitor: max_rows_per_step must be None or >= 1, got {max_rows_per_step}"
+            )
+        if layers != "auto" and (
+            isinstance(layers, str) or not all(isinstance(x, str) for x in layers)
+        ):
+            raise MisconfigurationException(
+                f"DeadDirectionMonitor: layers must be 'auto' or a list of module paths, got {layers!r}"
+            )
+        if max_memory is not None and max_memory <= 0:
+            raise MisconfigurationException("DeadDirectionMonitor: max_memory must be > 0 bytes")
+        try:
+            self.sigma_rule = SigmaMinRatioRule(alert_below, tolerance, patience, warmup_reads)
+            self.sinks = build_sinks(alerts)
+        except ValueError as err:
+            raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
+        self.kernel_rule = KernelLossRule(kernel_residual_alert) if kernel_residual_alert else None
+        self.rules: list[AlertRule] = [self.sigma_rule]
+        if self.kernel_rule is not None:
+            self.rules.append(self.kernel_rule)
+        self.rules.extend(rules)
+        self.every_n_steps = every_n_steps
+        self.layers = layers if layers == "auto" else list(layers)
+        self.residual = residual
+        self.max_rows_per_step = max_rows_per_step
+        self.stop_on_alert = stop_on_alert
+        self.null_tol = null_tol
+        self.max_memory = max_memory
+        self.example_forward = example_forward
+        self.verbose = verbose
+        self.seed = seed
+
+        self.tracker: DeadDirectionTracker | None = None
+        self.disabled = False
+        self.failure: str | None = None
+        self.reads = 0
+        self.last_read_step = -1
+        self.last_report: DeadDirectionReport | None = None
+        self.alerts_fired: list[Alert] = []
+        self._baselines: dict[str, float] = {}
+        self._step_at_batch_start = -1
+        self._deferred = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit" or self.tracker is not None:
+            return
+        try:
+            self.tracker = DeadDirectionTracker(
+                pl_module,
+                layers=self.layers,
+                residual=self.residual,
+                max_rows_per_step=self.max_rows_per_step,
+                null_tol=self.null_tol,
+                seed=self.seed,
+                max_memory=self.max_memory,
+            )
+        except NormDiscoveryError as err:
+            raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
+        self.tracker.baselines.update(self._baselines)
+        if self.kernel_rule is not None:
+            self.kernel_rule.kinds = {n.name: n.kind for n in self.tracker.norms}
+
+    @_fail_open
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            return
+        if not tracker.attached:
+            self._attach(pl_module, batch)
+        self._step_at_batch_start = trainer.global_step
+        if self._in_window(trainer.global_step):
+            tracker.snapshot_gammas()  # the gammas this window's forwards use
+            tracker.gate.mask = batch_mask(batch)
+            tracker.gate.open = True
+
+    @_fail_open
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            return
+        tracker.gate.open = False
+        tracker.gate.mask = None
+        completed = self._step_at_batch_start  # the optimiser step these micro-batches belong to
+        if trainer.global_step == completed or not self._in_window(completed):
+            return  # mid accumulation, or not a sampled step
+        if not self._enough_rows(trainer):
+            self._deferred += 1
+            return  # keep the window open one more optimiser step
+        self._read(trainer)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.tracker is not None:
+            self.tracker.gate.open = False
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.verbose and self.last_report is not None and trainer.is_global_zero:
+            rank_zero_info(format_summary(self.last_report, self.reads, self.alerts_fired))
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.tracker is not None:
+            self.tracker.detach()
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        if self.tracker is not None:
+            self.tracker.detach()
+
+    # ------------------------------------------------------------ schedule
+    def _in_window(self, step: int) -> bool:
+        """Sampled optimiser steps: the first (the baseline), every ``every_n_steps``-th, and
+        those after a read step whose window had too few rows."""
+        return step == 0 or (step + 1) % self.every_n_steps == 0 or self._deferred > 0
+
+    def _enough_rows(self, trainer: Trainer) -> bool:
+        assert self.tracker is not None
+        need = 2 * max((t.dim for t in self.tracker.taps.taps.values()), default=1)
+        have = self.tracker.min_rows()
+        if trainer.world_size > 1:
+            have = trainer.strategy.reduce(have.to(trainer.strategy.root_device), reduce_op="sum")
+        # Defer at most every_n_steps optimiser steps, then read whatever there is (NaN + reason).
+        return float(have) >= need or self._deferred >= self.every_n_steps
+
+    def _attach(self, pl_module: LightningModule, batch: Any) -> None:
+        assert self.tracker is not None
+        forward = self.example_forward or call_model
+        try:
+            with torch.no_grad():
+                self.tracker.attach(forward=lambda: forward(pl_module, batch))
+        except ValueError as err:  # residual discovery failed: keep the norm reads
+            rank_zero_warn(f"normscope: residual profile disabled ({err})")
+            self.tracker.residual = False
+            self.tracker.attach()
+        profile_subs = {}
+        if self.tracker.layout is not None:
+            profile_subs = {p.name: p.sublayer for p in self.tracker.layout.points}
+            for note in self.tracker.layout.notes:
+                rank_zero_info(f"normscope: {note}")
+        self.sigma_rule.sublayers = profile_subs
+
+    # ------------------------------------------------------------ the read
+    def _read(self, trainer: Trainer) -> None:
+        assert self.tracker is not None
+        step = trainer.global_step
+        report = self.tracker.read(step=step, reduce=trainer.world_size > 1)
+        self._deferred = 0
+        self.reads += 1
+        self.last_read_step = step
+        self.last_report = report
+        metrics = report.as_dict()
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=step)
+        device = trainer.strategy.root_device
+        trainer.callback_metrics.update(
+            {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}
+        )
+        if trainer.is_global_zero:
+            log_wandb_extras(trainer, report, step)
+        fired = [a for rule in self.rules for a in rule.evaluate(metrics, step)]
+        self.alerts_fired.extend(fired)
+        if trainer.is_global_zero:
+            for alert in fired:
+                for sink in self.sinks:
+                    sink(alert, trainer)
+            if self.verbose:
+                rank_zero_info(format_read_line(report, fired))
+        if self.stop_on_alert:
+            stop = trainer.strategy.reduce_boolean_decision(bool(fired), all=False)
+            if stop:
+                trainer.should_stop = True
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = True
+        self.failure = reason
+        if self.tracker is not None:
+            self.tracker.gate.open = False
+            self.tracker.detach()
+        rank_zero_warn(
+            f"normscope: DeadDirectionMonitor disabled itself after an internal error; training "
+            f"continues without it ({reason})"
+        )
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, baselines (for ``deepening``) and alert state. The open window's
+        accumulators are not saved (they would add ``8 d^2`` bytes per tap to every checkpoint):
+        a run resumed mid-window starts the window again."""
+        baselines = self.tracker.baselines if self.tracker is not None else self._baselines
+        return {
+            "reads": self.reads,
+            "last_read_step": self.last_read_step,
+            "baselines": dict(baselines),
+            "rules": [rule.state_dict() for rule in self.rules],
+            "alerts_fired": [a.as_dict() for a in self.alerts_fired],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.reads = int(state_dict.get("reads", 0))
+        self.last_read_step = int(state_dict.get("last_read_step", -1))
+        self._baselines = {str(k): float(v) for k, v in state_dict.get("baselines", {}).items()}
+        if self.tracker is not None:
+            self.tracker.baselines.update(self._baselines)
+        for rule, rule_state in zip(self.rules, state_dict.get("rules", [])):
+            rule.load_state_dict(rule_state)
+        self.alerts_fired = [Alert(**a) for a in state_dict.get("alerts_fired", [])]
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, layers=str(self.layers))
+
+    # ------------------------------------------------------------ helpers
+    @property
+    def sigma_min_ratio_min(self) -> float:
+        """The last read's smallest cumulative ratio (NaN before the first read)."""
+        return self.last_report.sigma_min_ratio_min if self.last_report is not None else math.nan

@@ -1,0 +1,230 @@
+"""The residual stream's ``sigma_min`` depth profile (METRICS.md §1.4).
+
+Residual points ``p_0, ..., p_L`` in forward order. ``sigma_min(p) = sqrt(lambda_1(S_p))``,
+``S_p`` the *uncentred* second moment of the rows at ``p``. With identity skips
+``x_k = x_{k-1} + f(x_{k-1})`` and no cancellation (``X^T F + F^T X`` positive semi-definite),
+``sigma_min`` cannot fall: every ``sigma_min_ratio`` is ``>= 1``. A ratio below 1 is a real dead
+direction opened by training, or a calibration artefact.
+
+``reason`` vocabulary (an attribute, never in ``as_dict``): ``"insufficient_rows"``
+(``n_rows < 2 d``), ``"non_finite_second_moment"``, ``"eigh_failed"`` for a point's own
+``sigma_min``; ``"first_point_unavailable"`` (``p_0``'s ``sigma_min`` is NaN or 0, so no ratio
+exists), ``"previous_point_unavailable"`` (only the step is NaN); for the whole profile also
+``"no_points"``, ``"single_point"`` (nothing after ``p_0``) and ``"no_finite_ratio"``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+
+from normscope.functional.covariance import symmetric_eigh
+from normscope.functional.dead_direction import row_count, square_matrix
+
+__all__ = [
+    "ProfilePoint",
+    "SigmaMinProfile",
+    "cancellation_fraction",
+    "sigma_min",
+    "sigma_min_profile",
+]
+
+_NAN = math.nan
+
+
+def _sigma_min(second_moment: torch.Tensor, n_rows: int, where: str) -> tuple[float, str | None]:
+    s = square_matrix(second_moment, where, "second_moment")
+    n = row_count(n_rows, where)
+    if n < 2 * s.shape[0]:
+        return _NAN, "insufficient_rows"
+    if not bool(torch.isfinite(s).all()):
+        return _NAN, "non_finite_second_moment"
+    try:
+        low = float(symmetric_eigh(s)[0][0])
+    except RuntimeError:
+        return _NAN, "eigh_failed"
+    # S is PSD: a negative bottom eigenvalue is rounding (a few ulps of lambda_d), read as 0.
+    return math.sqrt(max(low, 0.0)), None
+
+
+def sigma_min(second_moment: torch.Tensor, n_rows: int) -> float:
+    """``sqrt(lambda_1(S))`` of an uncentred second moment ``S`` (float64).
+
+    Args:
+        second_moment: ``S`` ``(d, d)`` (:meth:`StreamingCovariance.second_moment`).
+        n_rows: rows behind ``S``.
+
+    Returns:
+        The smallest singular value of the rows over ``sqrt(n_rows)``; NaN when
+        ``n_rows < 2 d`` or ``S`` is not finite (rounding below 0 reads as 0).
+
+    Example::
+
+        >>> import torch
+        >>> sigma_min(torch.diag(torch.tensor([4.0, 9.0])), 4)
+        2.0
+        >>> sigma_min(torch.eye(2), 3)
+        nan
+    """
+    return _sigma_min(second_moment, n_rows, "sigma_min")[0]
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    """One residual point of the profile.
+
+    ``depth`` is the point's index ``k``; ``sublayer`` what lies between ``p_{k-1}`` and
+    ``p_k`` (``"attn"``, ``"mlp"``, ``"block"``; None for ``p_0``). ``sigma_min_ratio =
+    sigma_min(p_k) / sigma_min(p_0)``, ``sigma_min_step = sigma_min(p_k) / sigma_min(p_{k-1})``;
+    both 1 at ``p_0``. ``reason`` says why a number is NaN (module docstring).
+    """
+
+    name: str
+    depth: int
+    sublayer: str | None
+    sigma_min: float
+    sigma_min_ratio: float
+    sigma_min_step: float
+    n_rows: int
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class SigmaMinProfile:
+    """The depth profile: every point, the smallest ratio and where it is.
+
+    ``sigma_min_ratio_min`` and ``worst_point`` are taken over ``p_1, ..., p_L`` (``p_0``'s
+    ratio is 1 by definition), NaN points ignored; so ``worst_point``'s ratio is
+    ``sigma_min_ratio_min``. ``reason`` is None when that minimum exists.
+    """
+
+    points: tuple[ProfilePoint, ...]
+    sigma_min_ratio_min: float
+    worst_point: str | None
+    reason: str | None
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat: ``<point>/sigma_min``, ``<point>/sigma_min_ratio``, ``<point>/sigma_min_step``
+        for every point, and ``sigma_min_ratio_min``."""
+        out: dict[str, float] = {}
+        for p in self.points:
+            out[f"{p.name}/sigma_min"] = p.sigma_min
+            out[f"{p.name}/sigma_min_ratio"] = p.sigma_min_ratio
+            out[f"{p.name}/sigma_min_step"] = p.sigma_min_step
+        out["sigma_min_ratio_min"] = self.sigma_min_ratio_min
+        return out
+
+
+def sigma_min_profile(
+    names: Sequence[str],
+    second_moments: Sequence[torch.Tensor],
+    n_rows: Sequence[int],
+    sublayers: Sequence[str | None],
+) -> SigmaMinProfile:
+    """``sigma_min``, cumulative ratio and step at every residual point, in forward order.
+
+    Args:
+        names: the points' names (module paths), ``p_0`` first; must be distinct (they key
+            :meth:`SigmaMinProfile.as_dict`).
+        second_moments: each point's uncentred second moment ``S_p`` ``(d, d)``.
+        n_rows: each point's row count.
+        sublayers: what lies before each point (``"attn"``, ``"mlp"``, ``"block"``, None).
+
+    Returns:
+        A :class:`SigmaMinProfile`. When ``p_0``'s ``sigma_min`` is NaN (or 0) every ratio and
+        the summaries are NaN and ``reason`` says so; the steps, which need only neighbouring
+        points, are still read. No read raises on data.
+
+    Example::
+
+        >>> import torch
+        >>> prof = sigma_min_profile(
+        ...     ["embed", "h.0", "h.1"],
+        ...     [torch.eye(2), 4 * torch.eye(2), torch.diag(torch.tensor([1.0, 9.0]))],
+        ...     [8, 8, 8], [None, "attn", "mlp"])
+        >>> [(p.sigma_min_ratio, p.sigma_min_step) for p in prof.points]
+        [(1.0, 1.0), (2.0, 2.0), (1.0, 0.5)]
+        >>> prof.sigma_min_ratio_min, prof.worst_point
+        (1.0, 'h.1')
+    """
+    lengths = {len(names), len(second_moments), len(n_rows), len(sublayers)}
+    if len(lengths) != 1:
+        raise ValueError(
+            "sigma_min_profile: names, second_moments, n_rows and sublayers must have one entry "
+            f"per point, got lengths {len(names)}, {len(second_moments)}, {len(n_rows)}, "
+            f"{len(sublayers)}"
+        )
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if list(names).count(n) > 1})
+        raise ValueError(f"sigma_min_profile: point names must be distinct, repeated: {dupes}")
+    if not names:
+        return SigmaMinProfile((), _NAN, None, "no_points")
+
+    own = [
+        _sigma_min(s, n, "sigma_min_profile") for s, n in zip(second_moments, n_rows)
+    ]  # (sigma_min, reason) per point
+    first = own[0][0]
+    first_ok = math.isfinite(first) and first > 0
+    points: list[ProfilePoint] = []
+    for k, (name, (value, reason)) in enumerate(zip(names, own)):
+        if k == 0:
+            ratio = step = 1.0 if first_ok else _NAN
+            reason = reason or (None if first_ok else "first_point_unavailable")
+        else:
+            prev = own[k - 1][0]
+            ratio = value / first if first_ok else _NAN
+            step = value / prev if math.isfinite(prev) and prev > 0 else _NAN
+            if reason is None and not first_ok:
+                reason = "first_point_unavailable"
+            elif reason is None and math.isnan(step):
+                reason = "previous_point_unavailable"
+        count = row_count(n_rows[k], "sigma_min_profile")
+        points.append(ProfilePoint(name, k, sublayers[k], value, ratio, step, count, reason))
+
+    if not first_ok:
+        return SigmaMinProfile(tuple(points), _NAN, None, "first_point_unavailable")
+    if len(points) == 1:
+        return SigmaMinProfile(tuple(points), _NAN, None, "single_point")
+    later = [p for p in points[1:] if math.isfinite(p.sigma_min_ratio)]
+    if not later:
+        return SigmaMinProfile(tuple(points), _NAN, None, "no_finite_ratio")
+    worst = min(later, key=lambda p: p.sigma_min_ratio)
+    return SigmaMinProfile(tuple(points), worst.sigma_min_ratio, worst.name, None)
+
+
+def cancellation_fraction(x: torch.Tensor, f: torch.Tensor) -> float:
+    """The share of rows with ``<x, f(x)> < 0``: where a branch cancels the stream it reads.
+
+    Args:
+        x: the stream entering a sublayer, ``(..., d)``.
+        f: the sublayer's branch output (what is added to ``x``), the same shape.
+
+    Returns:
+        A float in ``[0, 1]``, over the rows where both are finite; NaN when there are none.
+
+    Example::
+
+        >>> import torch
+        >>> x = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+        >>> cancellation_fraction(x, torch.tensor([[-1.0, 0.0], [0.0, 2.0]]))
+        0.5
+    """
+    if not (isinstance(x, torch.Tensor) and isinstance(f, torch.Tensor)):
+        raise ValueError("cancellation_fraction: x and f must be torch tensors")
+    if x.shape != f.shape or x.ndim == 0:
+        raise ValueError(
+            "cancellation_fraction: x and f must have the same (..., d) shape, got "
+            f"{tuple(x.shape)} and {tuple(f.shape)}"
+        )
+    xr = rearrange(x.detach().to(torch.float64), "... d -> (...) d")
+    fr = rearrange(f.detach().to(xr.device, torch.float64), "... d -> (...) d")
+    dots = (xr * fr).sum(dim=1)
+    finite = torch.isfinite(dots)
+    kept = int(finite.sum())
+    if kept == 0:
+        return _NAN
+    return int((dots[finite] < 0).sum()) / kept

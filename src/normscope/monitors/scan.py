@@ -1,0 +1,97 @@
+"""``scan_model``: the dead-direction reads of a model on a few batches, in plain PyTorch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from normscope.monitors.dead_direction import DeadDirectionReport, DeadDirectionTracker
+
+__all__ = ["call_model", "batch_mask", "scan_model"]
+
+_NOT_INPUTS = ("labels", "label", "targets")
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Run ``model`` on a batch the way a user would: a dict as keyword arguments (labels
+    dropped), a tuple/list by its first element (``(inputs, targets)``), a tensor as is."""
+    if isinstance(batch, dict):
+        return model(**{k: v for k, v in batch.items() if k not in _NOT_INPUTS})
+    if isinstance(batch, (tuple, list)):
+        return model(batch[0])
+    return model(batch)
+
+
+def batch_mask(batch: Any) -> torch.Tensor | None:
+    """The padding mask a batch carries (``attention_mask`` of a dict batch), else None."""
+    if isinstance(batch, dict):
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            return mask
+    return None
+
+
+@torch.no_grad()
+def scan_model(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    layers: str | Sequence[str] = "auto",
+    residual: bool = True,
+    max_rows_per_batch: int | None = None,
+    null_tol: float = 1e-10,
+    baseline: DeadDirectionReport | None = None,
+) -> DeadDirectionReport:
+    """Every dead-direction read of ``model`` on ``batches`` (forward passes only, no grad).
+
+    Args:
+        model: any ``nn.Module`` (a Hugging Face model, a model you wrote).
+        batches: an iterable of batches: dicts of model keyword arguments (an
+            ``attention_mask`` there excludes padding from every accumulator), ``(inputs, ...)``
+            tuples, or input tensors.
+        layers: ``"auto"`` or a list of norm module paths.
+        residual: also read the residual stream's ``sigma_min`` depth profile.
+        max_rows_per_batch: rows kept per tapped tensor per batch (``None``: all).
+        null_tol: ``tau`` of ``null_dim``.
+        baseline: an earlier report (e.g. of the same architecture at random init) whose Schur
+            quotients are the baseline of ``deepening``.
+
+    Returns:
+        a :class:`DeadDirectionReport`; ``report.as_dict()`` is keyed exactly like the monitor's
+        log (``dd/<module path>/<metric>``, ``dd/<metric>``).
+
+    Example::
+
+        >>> from normscope import scan_model
+        >>> report = scan_model(model, [{"input_ids": ids, "attention_mask": mask}])  # doctest: +SKIP
+        >>> report.norms["transformer.ln_f"].kernel.gamma_alignment  # doctest: +SKIP
+        0.99999...
+    """
+    batches = list(batches)
+    if not batches:
+        raise ValueError("scan_model: no batches given (pass at least one batch of inputs)")
+    was_training = model.training
+    model.eval()
+    tracker = DeadDirectionTracker(
+        model,
+        layers=layers,
+        residual=residual,
+        max_rows_per_step=max_rows_per_batch,
+        null_tol=null_tol,
+    )
+    try:
+        tracker.attach(forward=lambda: call_model(model, batches[0]))
+        if baseline is not None:
+            tracker.baselines = {
+                name: norm.schur.schur_quotient for name, norm in baseline.norms.items()
+            }
+        for batch in batches:
+            with tracker.gate.sampling(mask=batch_mask(batch)):
+                call_model(model, batch)
+        return tracker.read(step=0, reduce=False)
+    finally:
+        tracker.detach()
+        model.train(was_training)

@@ -1,0 +1,207 @@
+"""Hooking tapped tensors into float64 accumulators: registered once, gated, masked, fail-open.
+
+A :class:`TapSet` owns every hook normscope adds to a model. Hooks are registered **once** (at
+attach time) and stay registered; between sampled steps each hook returns at its first line,
+on a plain Python flag (:attr:`Gate.open`), so it does no device work and no host sync.
+torch.compile needs exactly this: hooks fixed before compiling, never added or removed after.
+
+On a sampled forward a hook folds its tensor's rows into a :class:`StreamingCovariance` on the
+tensor's own device, with the batch's padding mask when the caller supplied one
+(:meth:`Gate.sampling`). A forward re-run by activation checkpointing (inside backward) is
+skipped, so no row is counted twice. If a hook raises, it warns once naming the tap, disables
+that tap alone, and training goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from normscope.functional.covariance import StreamingCovariance
+from normscope.taps.residual import tap_input, tap_output
+
+__all__ = ["Gate", "Tap", "TapSet", "in_backward_recompute"]
+
+
+def in_backward_recompute() -> bool:
+    """True while autograd runs a backward pass (activation checkpointing recomputes forwards
+    there). Wraps a private PyTorch API; if it disappears, nothing is treated as a recompute."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # pragma: no cover - depends on the torch build
+        return False
+
+
+class Gate:
+    """The one flag every hook reads first. Flip it only between steps, never inside a forward."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.mask: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def sampling(self, mask: torch.Tensor | None = None) -> Iterator[None]:
+        """Open the gate for the forwards run inside the block, with an optional padding mask of
+        shape ``(batch, tokens)`` (non-zero keeps a row)."""
+        previous = (self.open, self.mask)
+        self.open, self.mask = True, mask
+        try:
+            yield
+        finally:
+            self.open, self.mask = previous
+
+
+@dataclass
+class Tap:
+    """One tapped tensor: the input or output of one module, and its accumulator."""
+
+    module_name: str
+    where: str  # "input" | "output"
+    dim: int
+    accumulator: StreamingCovariance
+    failed: str | None = None
+    seen_shapes: set[tuple[int, ...]] = field(default_factory=set)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.module_name, self.where)
+
+
+class TapSet:
+    """Every hook normscope adds to one model, keyed by ``(module path, "input" | "output")``.
+
+    Args:
+        model: the model to tap.
+        gate: the shared :class:`Gate`; hooks do nothing while it is closed.
+        max_rows: rows kept per tap per forward (uniform, seeded); ``None`` keeps all.
+        seed: seed of the row subsampling.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from normscope.taps.hooks import Gate, TapSet
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+        >>> taps = TapSet(model, Gate())
+        >>> tap = taps.add("1", "output", dim=8)
+        >>> with taps.gate.sampling():
+        ...     _ = model(torch.randn(32, 4))
+        >>> tap.accumulator.count
+        32
+        >>> taps.remove()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        gate: Gate | None = None,
+        *,
+        max_rows: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.gate = gate if gate is not None else Gate()
+        self.max_rows = max_rows
+        self.seed = seed
+        self.taps: dict[tuple[str, str], Tap] = {}
+        self._handles: list[Any] = []
+
+    def add(self, module_name: str, where: str, dim: int) -> Tap:
+        """Tap the input (``where="input"``) or output of ``module_name``; idempotent per key."""
+        if where not in ("input", "output"):
+            raise ValueError(f"TapSet.add: where must be 'input' or 'output', got {where!r}")
+        key = (module_name, where)
+        if key in self.taps:
+            return self.taps[key]
+        module = self.model.get_submodule(module_name)
+        # Accumulators are created now, on the module's parameter device, so that every rank of
+        # a distributed run holds the same set of them (a collective over a set that differs
+        # between ranks would hang). They follow the activations if those live elsewhere.
+        device = _module_device(module, self.model)
+        acc = StreamingCovariance(
+            dim, device=device, max_rows=self.max_rows, seed=self.seed + len(self.taps)
+        )
+        tap = Tap(module_name, where, dim, acc)
+        if where == "input":
+            handle = module.register_forward_pre_hook(self._pre_hook(tap), with_kwargs=True)
+        else:
+            handle = module.register_forward_hook(self._post_hook(tap))
+        self.taps[key] = tap
+        self._handles.append(handle)
+        return tap
+
+    def _pre_hook(self, tap: Tap):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self.gate.open or tap.failed is not None:
+                return None
+            self._fold(tap, tap_input(args, kwargs))
+            return None
+
+        return hook
+
+    def _post_hook(self, tap: Tap):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not self.gate.open or tap.failed is not None:
+                return None
+            self._fold(tap, tap_output(output))
+            return None
+
+        return hook
+
+    def _fold(self, tap: Tap, x: torch.Tensor | None) -> None:
+        if in_backward_recompute():
+            return
+        try:
+            if x is None or x.shape[-1] != tap.dim:
+                shape = None if x is None else tuple(x.shape)
+                raise ValueError(
+                    f"expected a tensor of width {tap.dim} at the {tap.where} of "
+                    f"{tap.module_name!r}, got {shape}"
+                )
+            mask = self.gate.mask
+            if mask is not None and tuple(mask.shape) != tuple(x.shape[:-1]):
+                mask = None  # a tensor not laid out (batch, tokens, d): no padding to skip
+            if x.device != tap.accumulator.device:
+                tap.accumulator.to(x.device)
+            tap.accumulator.update(x, mask=mask)
+        except Exception as err:  # a monitor must never break the forward pass
+            tap.failed = f"{type(err).__name__}: {err}"
+            warnings.warn(
+                f"normscope: tap on the {tap.where} of {tap.module_name!r} failed and is disabled "
+                f"for the rest of the run ({tap.failed})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def reset(self) -> None:
+        """Start a new window: every accumulator forgets its rows."""
+        for tap in self.taps.values():
+            tap.accumulator.reset()
+
+    def remove(self) -> None:
+        """Remove every hook this set registered (the accumulators stay readable)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __len__(self) -> int:
+        return len(self.taps)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the accumulators' co-moments (``8 d^2`` each)."""
+        return sum(8 * t.dim * t.dim for t in self.taps.values())
+
+
+def _module_device(module: nn.Module, model: nn.Module) -> torch.device:
+    for source in (module, model):
+        for p in source.parameters():
+            return p.device
+        for b in source.buffers():
+            return b.device
+    return torch.device("cpu")
