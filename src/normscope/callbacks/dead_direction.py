@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from normscope.alerts import Alert, AlertRule, KernelLossRule, SigmaMinRatioRule, build_sinks
+from normscope.callbacks._base import MonitorCallback, fail_open
 from normscope.callbacks.wandb_extras import log_wandb_extras
 from normscope.monitors.dead_direction import DeadDirectionReport, DeadDirectionTracker
 from normscope.monitors.format import format_read_line, format_summary
@@ -22,24 +22,7 @@ from normscope.taps.norms import NormDiscoveryError
 __all__ = ["DeadDirectionMonitor"]
 
 
-def _fail_open(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A monitor must never crash or stall training: on its own failure it warns once,
-    removes its hooks, disables itself, and the fit goes on."""
-
-    @functools.wraps(method)
-    def guarded(self: DeadDirectionMonitor, *args: Any, **kwargs: Any) -> Any:
-        if self.disabled:
-            return None
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as err:  # noqa: BLE001 - fail-open is the contract
-            self._disable(f"{method.__name__}: {type(err).__name__}: {err}")
-            return None
-
-    return guarded
-
-
-class DeadDirectionMonitor(Callback):
+class DeadDirectionMonitor(MonitorCallback):
     r"""Log the dead-direction geometry of every norm layer and the residual stream's
     ``sigma_min`` depth profile while a model trains, and alert when the stream collapses.
 
@@ -113,14 +96,7 @@ class DeadDirectionMonitor(Callback):
         verbose: bool = True,
         seed: int = 0,
     ) -> None:
-        if (
-            not isinstance(every_n_steps, int)
-            or isinstance(every_n_steps, bool)
-            or every_n_steps < 1
-        ):
-            raise MisconfigurationException(
-                f"DeadDirectionMonitor: every_n_steps must be an int >= 1, got {every_n_steps!r}"
-            )
+        super().__init__(every_n_steps)
         if max_rows_per_step is not None and max_rows_per_step < 1:
             raise MisconfigurationException(
                 f"DeadDirectionMonitor: max_rows_per_step must be None or >= 1, got {max_rows_per_step}"
@@ -143,7 +119,6 @@ class DeadDirectionMonitor(Callback):
         if self.kernel_rule is not None:
             self.rules.append(self.kernel_rule)
         self.rules.extend(rules)
-        self.every_n_steps = every_n_steps
         self.layers = layers if layers == "auto" else list(layers)
         self.residual = residual
         self.max_rows_per_step = max_rows_per_step
@@ -155,15 +130,11 @@ class DeadDirectionMonitor(Callback):
         self.seed = seed
 
         self.tracker: DeadDirectionTracker | None = None
-        self.disabled = False
-        self.failure: str | None = None
         self.reads = 0
         self.last_read_step = -1
         self.last_report: DeadDirectionReport | None = None
         self.alerts_fired: list[Alert] = []
         self._baselines: dict[str, float] = {}
-        self._step_at_batch_start = -1
-        self._deferred = 0
 
     # ------------------------------------------------------------ lifecycle
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -185,7 +156,7 @@ class DeadDirectionMonitor(Callback):
         if self.kernel_rule is not None:
             self.kernel_rule.kinds = {n.name: n.kind for n in self.tracker.norms}
 
-    @_fail_open
+    @fail_open
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -200,7 +171,7 @@ class DeadDirectionMonitor(Callback):
             tracker.gate.mask = batch_mask(batch)
             tracker.gate.open = True
 
-    @_fail_open
+    @fail_open
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -236,11 +207,6 @@ class DeadDirectionMonitor(Callback):
             self.tracker.detach()
 
     # ------------------------------------------------------------ schedule
-    def _in_window(self, step: int) -> bool:
-        """Sampled optimiser steps: the first (the baseline), every ``every_n_steps``-th, and
-        those after a read step whose window had too few rows."""
-        return step == 0 or (step + 1) % self.every_n_steps == 0 or self._deferred > 0
-
     def _enough_rows(self, trainer: Trainer) -> bool:
         assert self.tracker is not None
         need = 2 * max((t.dim for t in self.tracker.taps.taps.values()), default=1)
@@ -298,16 +264,10 @@ class DeadDirectionMonitor(Callback):
             if stop:
                 trainer.should_stop = True
 
-    def _disable(self, reason: str) -> None:
-        self.disabled = True
-        self.failure = reason
+    def _detach(self) -> None:
         if self.tracker is not None:
             self.tracker.gate.open = False
             self.tracker.detach()
-        rank_zero_warn(
-            f"normscope: DeadDirectionMonitor disabled itself after an internal error; training "
-            f"continues without it ({reason})"
-        )
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
