@@ -79,19 +79,26 @@ class AlertRule(Protocol):
 
 
 class SigmaMinRatioRule:
-    """Residual collapse: a cumulative ``sigma_min`` ratio below ``alert_below - tolerance``.
+    """Residual collapse: a ``sigma_min`` ratio below ``alert_below - tolerance``.
 
-    METRICS §1.4: with identity skips and no cancellation every ratio is >= 1. Random-init and
-    early-training models need not satisfy no-cancellation and dip a little below 1 with nothing
-    wrong, so the rule has a tolerance, a patience (consecutive reads below) and warm-up reads
-    that never alert. The defaults come from measurements on the demo (README, "Alerts").
+    METRICS §1.4: with identity skips and no cancellation ``sigma_min`` cannot fall with depth,
+    so both the cumulative ratio ``sigma_min(p_k) / sigma_min(p_0)`` and the step ratio
+    ``sigma_min(p_k) / sigma_min(p_{k-1})`` stay >= 1. The rule watches both (``watch``): the
+    step ratio localises a collapse even where ``p_0`` (an embedding) is so narrow that the
+    cumulative ratio stays far above 1 -- in the demo a cancelling MLP branch takes the step at
+    its sublayer to 0.39 while every cumulative ratio stays above 3.
+
+    Random-init and early-training models need not satisfy no-cancellation and dip a little
+    below 1 with nothing wrong, so the rule has a tolerance, a patience (consecutive reads
+    below) and warm-up reads that never alert. The defaults come from measurements on the demo
+    and the test models (README, "Alerts").
 
     Args:
         alert_below: the theoretical floor (1.0).
         tolerance: how far below ``alert_below`` a ratio may dip before it counts.
         patience: consecutive reads below the threshold before the alert fires.
         warmup_reads: the first reads of a run, which never alert.
-        sublayers: the profile's ``sublayer`` names, by point, for messages (the monitor fills it).
+        watch: which ratios to check: ``("ratio", "step")`` (default), or one of them.
     """
 
     name = "sigma_min_collapse"
@@ -102,16 +109,22 @@ class SigmaMinRatioRule:
         tolerance: float = 0.2,
         patience: int = 1,
         warmup_reads: int = 0,
+        watch: Sequence[str] = ("ratio", "step"),
     ) -> None:
         if patience < 1:
             raise ValueError(f"SigmaMinRatioRule: patience must be >= 1, got {patience}")
         if tolerance < 0 or warmup_reads < 0:
             raise ValueError("SigmaMinRatioRule: tolerance and warmup_reads must be >= 0")
+        if not watch or any(w not in ("ratio", "step") for w in watch):
+            raise ValueError(
+                f"SigmaMinRatioRule: watch must name 'ratio' and/or 'step', got {watch!r}"
+            )
         self.alert_below = alert_below
         self.tolerance = tolerance
         self.patience = patience
         self.warmup_reads = warmup_reads
-        self.sublayers: dict[str, str | None] = {}
+        self.suffixes = tuple(f"/sigma_min_{w}" for w in watch)
+        self.sublayers: dict[str, str | None] = {}  # by point; the monitor fills it
         self.reads = 0
         self.below: dict[str, int] = {}
 
@@ -121,29 +134,45 @@ class SigmaMinRatioRule:
 
     def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
         self.reads += 1
-        alerts: list[Alert] = []
+        worst: dict[str, tuple[float, str]] = {}  # point -> (smallest watched value, its key)
         for key, value in metrics.items():
-            if not key.endswith("/sigma_min_ratio") or not math.isfinite(value):
+            suffix = next((s for s in self.suffixes if key.endswith(s)), None)
+            if suffix is None or not key.startswith("dd/") or not math.isfinite(value):
                 continue  # NaN (too few rows) never alerts
-            point = key[len("dd/") : -len("/sigma_min_ratio")]
-            if value < self.threshold:
-                self.below[point] = self.below.get(point, 0) + 1
-            else:
-                self.below[point] = 0
+            point = key[len("dd/") : -len(suffix)]
+            if point not in worst or value < worst[point][0]:
+                worst[point] = (float(value), key)
+        # In depth order, a point below only on the cumulative ratio whose own step is fine is a
+        # consequence of a collapse upstream, already reported there: count it once.
+        order = [p for p in self.sublayers if p in worst] + [
+            p for p in worst if p not in self.sublayers
+        ]
+        upstream_collapse = False
+        alerts: list[Alert] = []
+        for point in order:
+            value, key = worst[point]
+            step_ok = metrics.get(f"dd/{point}/sigma_min_step", math.inf) >= self.threshold
+            below = value < self.threshold
+            if below and step_ok and upstream_collapse and key.endswith("/sigma_min_ratio"):
+                below = False
+            upstream_collapse = upstream_collapse or value < self.threshold
+            self.below[point] = self.below.get(point, 0) + 1 if below else 0
             if self.reads <= self.warmup_reads or self.below[point] != self.patience:
                 continue  # fire once when patience is reached, not on every read after
             sub = self.sublayers.get(point)
-            step_value = metrics.get(f"dd/{point}/sigma_min_step", math.nan)
+            ratio = metrics.get(f"dd/{point}/sigma_min_ratio", math.nan)
+            step_ratio = metrics.get(f"dd/{point}/sigma_min_step", math.nan)
             alerts.append(
                 Alert(
                     self.name,
                     key,
                     step,
-                    float(value),
+                    value,
                     self.threshold,
-                    f"residual stream sigma_min fell to {value:.3g}x its entry value at {point}"
-                    f" (after the {sub or 'block'} sublayer; step ratio {step_value:.3g}) at step "
-                    f"{step}, below {self.threshold:.3g} for {self.patience} read(s)",
+                    f"residual stream sigma_min collapsed at {point}, after the "
+                    f"{sub or 'block'} sublayer, at step {step}: step ratio {step_ratio:.3g}, "
+                    f"cumulative ratio {ratio:.3g} (threshold {self.threshold:.3g}, "
+                    f"{self.patience} read(s))",
                     point=point,
                     sublayer=sub,
                 )

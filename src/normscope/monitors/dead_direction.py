@@ -86,6 +86,9 @@ class DeadDirectionReport:
         if self.profile is not None:
             for key, value in self.profile.as_dict().items():
                 out[f"{FAMILY}/{key}"] = float(value)
+            steps = [p.sigma_min_step for p in self.profile.points[1:]]
+            steps = [s for s in steps if math.isfinite(s)]
+            out[f"{FAMILY}/sigma_min_step_min"] = min(steps) if steps else math.nan
         out[f"{FAMILY}/rows_rejected"] = float(self.rows_rejected)
         if self.norms:
             aligned = [
