@@ -18,6 +18,8 @@ _LAZY = {
     "DeadDirectionTracker": "normscope.monitors.dead_direction",
     "DeadDirectionReport": "normscope.monitors.dead_direction",
     "scan_model": "normscope.monitors.scan",
+    "SignMagnitudeMonitor": "normscope.callbacks.sign_magnitude",
+    "SignMagnitudeTracker": "normscope.monitors.sign_magnitude",
 }
 
 __all__ = ["__version__", *_LAZY]

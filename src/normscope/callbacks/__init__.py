@@ -1,5 +1,6 @@
 """The Lightning adapters."""
 
 from normscope.callbacks.dead_direction import DeadDirectionMonitor
+from normscope.callbacks.sign_magnitude import SignMagnitudeMonitor
 
-__all__ = ["DeadDirectionMonitor"]
+__all__ = ["DeadDirectionMonitor", "SignMagnitudeMonitor"]

@@ -24,3 +24,34 @@ __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "
 __all__ += ["predicted_kernel", "schur_quotient"]
 __all__ += ["ProfilePoint", "SigmaMinProfile", "cancellation_fraction", "sigma_min"]
 __all__ += ["sigma_min_profile"]
+
+from normscope.functional.sign_magnitude import (  # noqa: E402
+    OutlierRead,
+    ProbeRead,
+    WeightRead,
+    asymmetry_ratio,
+    asymmetry_theory,
+    binary_quantization_error,
+    binary_quantize,
+    flip_perturbation,
+    matched_magnitude_perturbation,
+    outlier_amplitudes,
+    probe_read,
+    quant_transverse_rel,
+    radial_fraction,
+    sign_alignment,
+    sign_churn,
+    ternary_alignment,
+    ternary_quantization_error,
+    ternary_quantize,
+    ternary_sparsity,
+    transverse_energy,
+    weight_read,
+)
+
+__all__ += ["OutlierRead", "ProbeRead", "WeightRead", "asymmetry_ratio", "asymmetry_theory"]
+__all__ += ["binary_quantization_error", "binary_quantize", "flip_perturbation"]
+__all__ += ["matched_magnitude_perturbation", "outlier_amplitudes", "probe_read"]
+__all__ += ["quant_transverse_rel", "radial_fraction", "sign_alignment", "sign_churn"]
+__all__ += ["ternary_alignment", "ternary_quantization_error", "ternary_quantize"]
+__all__ += ["ternary_sparsity", "transverse_energy", "weight_read"]

@@ -2,5 +2,13 @@
 
 from normscope.monitors.dead_direction import DeadDirectionReport, DeadDirectionTracker, NormReport
 from normscope.monitors.scan import scan_model
+from normscope.monitors.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
 
-__all__ = ["DeadDirectionReport", "DeadDirectionTracker", "NormReport", "scan_model"]
+__all__ = [
+    "DeadDirectionReport",
+    "DeadDirectionTracker",
+    "NormReport",
+    "SignMagnitudeReport",
+    "SignMagnitudeTracker",
+    "scan_model",
+]

@@ -39,6 +39,7 @@ from normscope.taps.residual import ResidualLayout, find_residual_points
 __all__ = ["DeadDirectionReport", "DeadDirectionTracker", "NormReport"]
 
 FAMILY = "dd"
+NORM_CLASS_CODE = {"layernorm-like": 1.0, "rmsnorm-like": -1.0, "indeterminate": 0.0}
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class NormReport:
         out.update(self.gamma.as_dict())
         out.update(self.kernel.as_dict())
         out.update(self.schur.as_dict())
+        # norm_class as a number (loggers take numbers): +1 layernorm-like, -1 rmsnorm-like,
+        # 0 indeterminate, NaN when not read.
+        out["norm_class"] = NORM_CLASS_CODE.get(self.kernel.norm_class, math.nan)
         out["deepening"] = self.deepening
         out["n_rows"] = float(self.n_rows)
         return out

@@ -1,0 +1,238 @@
+"""``SignMagnitudeMonitor``: the sign–magnitude reads as a Lightning callback."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import move_data_to_device
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from normscope.alerts import Alert, AlertRule, OutlierRule, SignChurnSpikeRule, build_sinks
+from normscope.callbacks._base import MonitorCallback, fail_open
+from normscope.monitors.scan import call_model
+from normscope.monitors.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
+
+__all__ = ["SignMagnitudeMonitor"]
+
+
+def _slice_batch(batch: Any, n: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, dict):
+        return {k: _slice_batch(v, n) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_slice_batch(v, n) for v in batch)
+    return batch
+
+
+class SignMagnitudeMonitor(MonitorCallback):
+    r"""Log the sign–magnitude geometry of a model's Linear layers while it trains: sign and
+    ternary alignment, sign churn, outlier leverage, and probe-measured asymmetry and ternary
+    readiness (METRICS.md §2), under ``sm/<module path>/<metric>`` and ``sm/<metric>``.
+
+    Every ``every_n_steps`` optimiser steps (and at the first step): parameter reads on every
+    monitored Linear, outlier reads from hooks on their inputs (folded during that step's
+    forwards), and probe reads on ``probe_layers`` on a fixed probe batch. A probe perturbs a
+    weight in place, runs the probe batch, and restores the weight bit-exactly from a saved
+    copy, under ``no_grad`` in eval mode: no gradient, optimiser state or train/eval flag is
+    changed.
+
+    Args:
+        every_n_steps: optimiser steps between reads (>= 1).
+        layers: ``"auto"`` (every ``nn.Linear`` inside the block stack) or a list of paths.
+        probe_layers: Linears to probe; ``None``: an attention and an MLP output projection in
+            the first, middle and last block; ``()``: no probes.
+        probe_batch: the probe batch; ``None``: the first training batch, cached on the CPU.
+        probe_samples: samples of the probe batch used (its leading dimension is cut to this).
+        flip_rate: ``p`` of the flip perturbation (0.01).
+        max_leverage_alert: alert when a layer's ``max_leverage`` exceeds this (``None``: off).
+        churn_spike_factor: alert when ``sm/sign_churn_mean`` exceeds this many times its running
+            median, and at least ``min_churn`` (``None``: off).
+        min_churn: the churn floor of that rule.
+        rules: extra rules; alerts: sinks (``"log"``, ``"wandb"``, callables).
+        example_forward: ``fn(pl_module, batch)`` for the probe forwards; default as
+            ``DeadDirectionMonitor``.
+        verbose: print one line per read (rank zero).
+        seed: seed of the perturbations.
+
+    Example::
+
+        from normscope import SignMagnitudeMonitor
+        trainer = Trainer(callbacks=[SignMagnitudeMonitor(every_n_steps=100)])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        layers: str | Sequence[str] = "auto",
+        probe_layers: Sequence[str] | None = None,
+        probe_batch: Any = None,
+        probe_samples: int = 8,
+        flip_rate: float = 0.01,
+        max_leverage_alert: float | None = 100.0,
+        churn_spike_factor: float | None = 5.0,
+        min_churn: float = 0.01,
+        rules: Sequence[AlertRule] = (),
+        alerts: Sequence[str | Callable[[Alert], Any]] = ("log", "wandb"),
+        example_forward: Callable[[LightningModule, Any], Any] | None = None,
+        verbose: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(every_n_steps)
+        if not 0.0 < flip_rate < 1.0:
+            raise MisconfigurationException(
+                f"SignMagnitudeMonitor: flip_rate must be in (0, 1), got {flip_rate}"
+            )
+        if probe_samples < 1:
+            raise MisconfigurationException("SignMagnitudeMonitor: probe_samples must be >= 1")
+        try:
+            self.sinks = build_sinks(alerts)
+        except ValueError as err:
+            raise MisconfigurationException(f"SignMagnitudeMonitor: {err}") from err
+        self.rules: list[AlertRule] = []
+        if max_leverage_alert is not None:
+            self.rules.append(OutlierRule(max_leverage_alert))
+        if churn_spike_factor is not None:
+            self.rules.append(SignChurnSpikeRule(churn_spike_factor, min_churn))
+        self.rules.extend(rules)
+        self.layers = layers if layers == "auto" else list(layers)
+        self.probe_layers = probe_layers
+        self.probe_batch = probe_batch
+        self.probe_samples = probe_samples
+        self.flip_rate = flip_rate
+        self.example_forward = example_forward
+        self.verbose = verbose
+        self.seed = seed
+        self.tracker: SignMagnitudeTracker | None = None
+        self.reads = 0
+        self.last_report: SignMagnitudeReport | None = None
+        self.alerts_fired: list[Alert] = []
+        self._pending_state: dict[str, Any] | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit" or self.tracker is not None:
+            return
+        try:
+            self.tracker = SignMagnitudeTracker(
+                pl_module,
+                layers=self.layers,
+                probe_layers=self.probe_layers,
+                flip_rate=self.flip_rate,
+                seed=self.seed,
+            )
+        except ValueError as err:
+            raise MisconfigurationException(f"SignMagnitudeMonitor: {err}") from err
+        if self._pending_state is not None:
+            self.tracker.load_state_dict(self._pending_state)
+            self._pending_state = None
+
+    @fail_open
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.tracker is None:
+            return
+        if not self.tracker.attached:
+            self.tracker.attach()
+        if self.probe_batch is None:
+            self.probe_batch = move_data_to_device(_slice_batch(batch, self.probe_samples), "cpu")
+        self._step_at_batch_start = trainer.global_step
+        self.tracker.gate.open = self._in_window(trainer.global_step)
+
+    @fail_open
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.tracker is None:
+            return
+        self.tracker.gate.open = False
+        completed = self._step_at_batch_start
+        if trainer.global_step == completed or not self._in_window(completed):
+            return
+        self._read(trainer, pl_module)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.tracker is not None:
+            self.tracker.gate.open = False
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._detach()
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        if self.tracker is not None:
+            self.tracker.gate.open = False
+            self.tracker.detach()
+
+    def _read(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        assert self.tracker is not None
+        step = trainer.global_step
+        forward = self.example_forward or call_model
+        probe = None
+        if self.probe_batch is not None and self.tracker.probe_layers:
+            batch = move_data_to_device(self.probe_batch, pl_module.device)
+            probe = lambda: forward(pl_module, batch)  # noqa: E731
+        report = self.tracker.read(step, probe=probe)
+        self.reads += 1
+        self.last_report = report
+        metrics = report.as_dict()
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=step)
+        device = trainer.strategy.root_device
+        trainer.callback_metrics.update(
+            {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}
+        )
+        fired = [a for rule in self.rules for a in rule.evaluate(metrics, step)]
+        self.alerts_fired.extend(fired)
+        if trainer.is_global_zero:
+            for alert in fired:
+                for sink in self.sinks:
+                    sink(alert, trainer)
+            if self.verbose:
+                rank_zero_info(_read_line(step, metrics, fired))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, alert state and the previous read's signs (int8, for ``sign_churn``)."""
+        return {
+            "reads": self.reads,
+            "rules": [rule.state_dict() for rule in self.rules],
+            "tracker": self.tracker.state_dict() if self.tracker is not None else {},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.reads = int(state_dict.get("reads", 0))
+        for rule, rule_state in zip(self.rules, state_dict.get("rules", [])):
+            rule.load_state_dict(rule_state)
+        if self.tracker is not None:
+            self.tracker.load_state_dict(state_dict.get("tracker", {}))
+        else:
+            self._pending_state = state_dict.get("tracker", {})
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, layers=str(self.layers))
+
+
+def _read_line(step: int, metrics: dict[str, float], fired: Sequence[Alert]) -> str:
+    def f(key: str) -> str:
+        v = metrics.get(f"sm/{key}", math.nan)
+        return "nan" if not math.isfinite(v) else f"{v:.4g}"
+
+    line = (
+        f"normscope sm step {step} | sign_alignment {f('sign_alignment_mean')} | ternary_alignment "
+        f"{f('ternary_alignment_mean')} | sign_churn {f('sign_churn_mean')} | max_leverage "
+        f"{f('max_leverage_max')} | asymmetry_ratio {f('asymmetry_ratio_mean')} | "
+        f"quant_transverse_rel {f('quant_transverse_rel_mean')}"
+    )
+    if fired:
+        line += f" | ALERTS {len(fired)}: " + "; ".join(a.message for a in fired)
+    return line

@@ -1,0 +1,355 @@
+"""The sign–magnitude reads on a schedule, independent of any trainer (METRICS.md §2).
+
+:class:`SignMagnitudeTracker` watches a model's Linear layers:
+
+* **parameter reads** (every monitored Linear, at each read): sign and ternary alignment,
+  ternary sparsity, sign churn since the previous read;
+* **outlier reads** (hooks on the same Linears' inputs, folded on sampled steps like the
+  dead-direction taps): the per-channel second moment ``E[x_j^2]`` in float64 (``n`` numbers,
+  not ``n^2``), from which ``max_leverage`` and ``outlier_leverage`` follow;
+* **probe reads** (a few layers, on a fixed probe batch): each perturbation of METRICS §2.3 is
+  applied to the weight in place, the next normaliser's input is captured, and the weight is
+  restored **bit-exactly** from a saved copy. Everything runs under ``no_grad`` in eval mode;
+  no gradient or optimiser state is touched and the model's train/eval flags are restored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from normscope.functional.sign_magnitude import (
+    OutlierRead,
+    ProbeRead,
+    WeightRead,
+    binary_quantization_error,
+    flip_perturbation,
+    matched_magnitude_perturbation,
+    outlier_amplitudes,
+    probe_read,
+    ternary_quantization_error,
+    weight_read,
+)
+from normscope.taps.hooks import Gate, in_backward_recompute
+from normscope.taps.norms import find_norm_layers
+from normscope.taps.residual import tap_input
+
+__all__ = ["SignMagnitudeReport", "SignMagnitudeTracker", "find_block_linears"]
+
+FAMILY = "sm"
+
+
+def _block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The longest ``nn.ModuleList`` whose children share one class: the transformer's blocks."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best[1])):
+                best = (name, module)
+    return best
+
+
+def find_block_linears(model: nn.Module) -> list[str]:
+    """Paths of every ``nn.Linear`` inside the model's block stack (embeddings and the output
+    head excluded); every Linear of the model when there is no block stack."""
+    stack = _block_stack(model)
+    prefix = f"{stack[0]}." if stack is not None and stack[0] else ""
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and (stack is None or name.startswith(prefix))
+    ]
+
+
+def default_probe_layers(linears: Sequence[str], blocks: int = 3) -> list[str]:
+    """An attention and an MLP output projection in the first, middle and last block: the
+    Linear layers whose output is added to the stream, i.e. what the next norm reads."""
+    out_names = ("c_proj", "o_proj", "out_proj", "dense", "down_proj", "fc2", "wo", "dense_4h_to_h")
+    by_block: dict[str, list[str]] = {}
+    for name in linears:
+        parts = name.split(".")
+        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if idx is None:
+            continue
+        by_block.setdefault(".".join(parts[: idx + 1]), []).append(name)
+    keys = list(by_block)
+    if not keys:
+        return list(linears[:2])
+    picks = sorted({0, len(keys) // 2, len(keys) - 1})[:blocks]
+    chosen: list[str] = []
+    for i in picks:
+        layers = by_block[keys[i]]
+        is_attn = [any(k in n for k in ("attn", "attention")) for n in layers]
+        attn = [n for n, a in zip(layers, is_attn) if a]
+        rest = [n for n, a in zip(layers, is_attn) if not a]
+        # the output projection of each branch: a known name, else the branch's last Linear
+        for group in (attn, rest):
+            named = [n for n in group if n.split(".")[-1] in out_names]
+            chosen += (named or group)[-1:]
+    return chosen
+
+
+@dataclass(frozen=True)
+class SignMagnitudeReport:
+    """One read: per Linear its weight read and outlier read; per probe layer its probe read."""
+
+    step: int
+    weights: dict[str, WeightRead]
+    outliers: dict[str, OutlierRead]
+    probes: dict[str, ProbeRead]
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for group in (self.weights, self.outliers, self.probes):
+            for name, read in group.items():
+                for metric, value in read.as_dict().items():
+                    out[f"{FAMILY}/{name}/{metric}"] = float(value)
+        summaries = {
+            "sign_alignment_mean": [w.sign_alignment for w in self.weights.values()],
+            "ternary_alignment_mean": [w.ternary_alignment for w in self.weights.values()],
+            "sign_churn_mean": [w.sign_churn for w in self.weights.values()],
+            "asymmetry_ratio_mean": [p.asymmetry_ratio for p in self.probes.values()],
+            "quant_transverse_rel_mean": [p.quant_transverse_rel for p in self.probes.values()],
+        }
+        for key, values in summaries.items():
+            finite = [v for v in values if math.isfinite(v)]
+            out[f"{FAMILY}/{key}"] = sum(finite) / len(finite) if finite else math.nan
+        leverages = [
+            o.max_leverage for o in self.outliers.values() if math.isfinite(o.max_leverage)
+        ]
+        out[f"{FAMILY}/max_leverage_max"] = max(leverages) if leverages else math.nan
+        return out
+
+
+class _DiagonalMoment:
+    """Float64 running sum of ``x_j^2`` per channel and the row count: ``E[x_j^2]``."""
+
+    def __init__(self, dim: int, device: torch.device) -> None:
+        self.dim = dim
+        self.sum_sq = torch.zeros(dim, dtype=torch.float64, device=device)
+        self.n = torch.zeros((), dtype=torch.float64, device=device)
+
+    def update(self, x: torch.Tensor) -> None:
+        rows = x.detach().reshape(-1, self.dim).to(self.sum_sq.device, torch.float64)
+        finite = torch.isfinite(rows.sum(dim=1))
+        rows = torch.where(
+            finite[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)
+        )
+        self.sum_sq += rows.square().sum(dim=0)
+        self.n += finite.sum()
+
+    def second_moment_diagonal(self) -> torch.Tensor:
+        return self.sum_sq / self.n.clamp_min(1)
+
+    def reset(self) -> None:
+        self.sum_sq.zero_()
+        self.n.zero_()
+
+
+class SignMagnitudeTracker:
+    """Hooks and reads of the sign–magnitude family, for any PyTorch loop.
+
+    Args:
+        model: the model.
+        layers: ``"auto"`` (every ``nn.Linear`` inside the block stack) or a list of paths.
+        probe_layers: Linear paths to probe; default :func:`default_probe_layers`; ``()`` none.
+        flip_rate: ``p`` of the flip perturbation.
+        seed: seed of the perturbations (the same every read, so reads are comparable).
+
+    Example::
+
+        tracker = SignMagnitudeTracker(model)
+        tracker.attach()
+        with tracker.gate.sampling():
+            model(batch)
+        report = tracker.read(step=0, probe=lambda: model(probe_batch))
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: str | Sequence[str] = "auto",
+        probe_layers: Sequence[str] | None = None,
+        flip_rate: float = 0.01,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 < flip_rate < 1.0:
+            raise ValueError(f"SignMagnitudeTracker: flip_rate must be in (0, 1), got {flip_rate}")
+        self.model = model
+        linears = dict((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear))
+        if layers == "auto":
+            names = find_block_linears(model)
+        else:
+            names = list(layers)
+            unknown = [n for n in names if n not in linears]
+            if unknown:
+                raise ValueError(
+                    f"SignMagnitudeTracker: not Linear layers of {type(model).__name__}: {unknown}; "
+                    f"available: {', '.join(linears) or 'none'}"
+                )
+        if not names:
+            raise ValueError(
+                f"SignMagnitudeTracker: no nn.Linear layer found in {type(model).__name__}; "
+                "pass layers=[...]"
+            )
+        self.layers = names
+        probes = default_probe_layers(names) if probe_layers is None else list(probe_layers)
+        bad = [n for n in probes if n not in linears]
+        if bad:
+            raise ValueError(f"SignMagnitudeTracker: probe_layers not Linear layers: {bad}")
+        self.probe_layers = probes
+        self.flip_rate = flip_rate
+        self.seed = seed
+        self.gate = Gate()
+        self.prev_signs: dict[str, torch.Tensor] = {}
+        self._moments: dict[str, _DiagonalMoment] = {}
+        self._handles: list[Any] = []
+        self.failed: dict[str, str] = {}
+        self._norm_modules = [n.module for n in find_norm_layers_or_empty(model)]
+        self.attached = False
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self) -> None:
+        if self.attached:
+            return
+        for name in self.layers:
+            module = self.model.get_submodule(name)
+            self._moments[name] = _DiagonalMoment(module.in_features, module.weight.device)
+            self._handles.append(
+                module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
+            )
+        self.attached = True
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self.gate.open or name in self.failed or in_backward_recompute():
+                return None
+            try:
+                x = tap_input(args, kwargs)
+                if x is not None:
+                    self._moments[name].update(x)
+            except Exception as err:  # never break the forward
+                self.failed[name] = f"{type(err).__name__}: {err}"
+            return None
+
+        return hook
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.attached = False
+
+    def reset(self) -> None:
+        for moment in self._moments.values():
+            moment.reset()
+
+    # ------------------------------------------------------------------ reads
+    def read(self, step: int = 0, *, probe: Callable[[], Any] | None = None) -> SignMagnitudeReport:
+        """Parameter and outlier reads of every monitored Linear; probe reads when ``probe`` (a
+        zero-argument forward on the probe batch) is given. Starts a new outlier window."""
+        weights: dict[str, WeightRead] = {}
+        outliers: dict[str, OutlierRead] = {}
+        for name in self.layers:
+            w = self.model.get_submodule(name).weight.detach()
+            weights[name] = weight_read(w, self.prev_signs.get(name))
+            self.prev_signs[name] = torch.sign(w).to(torch.int8)
+            moment = self._moments.get(name)
+            if moment is not None and float(moment.n) > 0:
+                outliers[name] = outlier_amplitudes(moment.second_moment_diagonal())
+        probes = self.probe(probe) if probe is not None and self.probe_layers else {}
+        self.reset()
+        return SignMagnitudeReport(step, weights, outliers, probes, dict(self.failed))
+
+    @torch.no_grad()
+    def probe(self, forward: Callable[[], Any]) -> dict[str, ProbeRead]:
+        """Probe reads (METRICS §2.3) of every probe layer, weights restored bit-exactly."""
+        modes = {m: m.training for m in self.model.modules()}
+        self.model.eval()
+        try:
+            return {name: self._probe_one(name, forward) for name in self.probe_layers}
+        finally:
+            for module, mode in modes.items():
+                module.training = mode
+
+    def _probe_one(self, name: str, forward: Callable[[], Any]) -> ProbeRead:
+        """Perturb ``name``'s weight four ways; ``y`` is the input of the first normaliser whose
+        input the perturbation changes -- the next normaliser downstream of the layer, found by
+        evidence (it also works for weights a parent module uses directly, such as
+        ``nn.MultiheadAttention.out_proj``, whose own forward never runs)."""
+        linear = self.model.get_submodule(name)
+        clean = self._norm_inputs(forward)
+        weight = linear.weight
+        saved = weight.detach().clone()
+        w64 = saved.to(torch.float64)
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)
+        flip = flip_perturbation(w64.cpu(), self.flip_rate, gen).to(w64.device)
+        perturbations = {
+            "flip": flip,
+            "magnitude": matched_magnitude_perturbation(w64, flip),
+            "quant_binary": binary_quantization_error(w64),
+            "quant_ternary": ternary_quantization_error(w64),
+        }
+        runs: dict[str, list[torch.Tensor]] = {}
+        try:
+            for key, dw in perturbations.items():
+                weight.copy_((w64 + dw).to(weight.dtype))
+                runs[key] = self._norm_inputs(forward)
+        finally:
+            weight.copy_(saved)  # bit-exact: the saved copy, not a reversed perturbation
+        changed = [
+            next((i for i, (a, b) in enumerate(zip(clean, run)) if not torch.equal(a, b)), None)
+            for run in runs.values()
+        ]
+        changed = [i for i in changed if i is not None]
+        if not changed:
+            return probe_read(torch.zeros(0, 1), {})
+        at = min(changed)
+        y = clean[at]
+        return probe_read(y, {k: run[at] - y for k, run in runs.items() if len(run) > at})
+
+    def _norm_inputs(self, forward: Callable[[], Any]) -> list[torch.Tensor]:
+        """Run ``forward``; the inputs of every norm layer in the order they ran, as float64
+        rows."""
+        seen: list[torch.Tensor] = []
+
+        def at_norm(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = tap_input(args, kwargs)
+            if x is not None:
+                seen.append(x.detach().reshape(-1, x.shape[-1]).to(torch.float64))
+
+        handles = [
+            m.register_forward_pre_hook(at_norm, with_kwargs=True) for m in self._norm_modules
+        ]
+        try:
+            forward()
+        finally:
+            for h in handles:
+                h.remove()
+        return seen
+
+    # -------------------------------------------------------------- persistence
+    def state_dict(self) -> dict[str, Any]:
+        """The previous read's signs (for ``sign_churn``), int8."""
+        return {"prev_signs": {k: v.cpu() for k, v in self.prev_signs.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, signs in state.get("prev_signs", {}).items():
+            if name in self.layers:
+                w = self.model.get_submodule(name).weight
+                if tuple(signs.shape) == tuple(w.shape):
+                    self.prev_signs[name] = signs.to(w.device)
+
+
+def find_norm_layers_or_empty(model: nn.Module) -> list:
+    try:
+        return find_norm_layers(model)
+    except ValueError:
+        return []
