@@ -4,7 +4,9 @@ Every builder returns ``(model, forward)``: the model in eval mode and a zero-ar
 that runs one forward pass on a small fixed example batch (what
 :func:`normscope.taps.find_residual_points` and the monitors take). Nothing is downloaded:
 each model is built from a config at random initialisation (seeded, so the same call gives
-the same weights), with a hidden width of 32-64, 2 layers and 2-4 heads.
+the same weights), with a hidden width of 32-64, 2 layers and 2-4 heads. The RMSNorm
+builders ``llama``, ``mistral``, ``qwen2``, ``gemma`` and ``gemma2`` also take
+``hidden_size`` (``build_hf_model("llama", hidden_size=1024)``).
 
 ``HF_ARCHITECTURES`` maps a name to ``(builder, norm kind)``, the kind being what
 :func:`normscope.taps.find_norm_layers` must report for the model's norms ("layernorm" or
@@ -65,10 +67,10 @@ def _causal_lm(model: nn.Module) -> Built:
     return model, lambda: model(input_ids=ids)
 
 
-def _seeded(fn: Callable[[], Built]) -> Callable[[], Built]:
-    def build() -> Built:
+def _seeded(fn: Callable[..., Built]) -> Callable[..., Built]:
+    def build(**options: object) -> Built:
         torch.manual_seed(0)
-        return fn()
+        return fn(**options)
 
     build.__name__ = fn.__name__
     build.__doc__ = fn.__doc__
@@ -183,10 +185,12 @@ def bert() -> Built:
     return model, lambda: model(input_ids=ids)
 
 
-def _llama_like(config_cls: type, model_cls: type, **extra: object) -> Built:
+def _llama_like(
+    config_cls: type, model_cls: type, hidden_size: int = HIDDEN, **extra: object
+) -> Built:
     cfg = config_cls(
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
+        hidden_size=hidden_size,
         intermediate_size=64,
         num_hidden_layers=LAYERS,
         num_attention_heads=4,
@@ -198,30 +202,34 @@ def _llama_like(config_cls: type, model_cls: type, **extra: object) -> Built:
 
 
 @_seeded
-def llama() -> Built:
-    return _llama_like(transformers.LlamaConfig, transformers.LlamaForCausalLM)
+def llama(hidden_size: int = HIDDEN) -> Built:
+    return _llama_like(transformers.LlamaConfig, transformers.LlamaForCausalLM, hidden_size)
 
 
 @_seeded
-def mistral() -> Built:
-    return _llama_like(transformers.MistralConfig, transformers.MistralForCausalLM)
+def mistral(hidden_size: int = HIDDEN) -> Built:
+    return _llama_like(transformers.MistralConfig, transformers.MistralForCausalLM, hidden_size)
 
 
 @_seeded
-def qwen2() -> Built:
-    return _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+def qwen2(hidden_size: int = HIDDEN) -> Built:
+    return _llama_like(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, hidden_size)
 
 
 @_seeded
-def gemma() -> Built:
+def gemma(hidden_size: int = HIDDEN) -> Built:
     """Gemma: RMSNorm with scale ``1 + w`` (weights initialised to 0)."""
-    return _llama_like(transformers.GemmaConfig, transformers.GemmaForCausalLM, head_dim=8)
+    return _llama_like(
+        transformers.GemmaConfig, transformers.GemmaForCausalLM, hidden_size, head_dim=8
+    )
 
 
 @_seeded
-def gemma2() -> Built:
+def gemma2(hidden_size: int = HIDDEN) -> Built:
     """Gemma 2: sandwich norms (pre and post each sublayer), scale ``1 + w``."""
-    return _llama_like(transformers.Gemma2Config, transformers.Gemma2ForCausalLM, head_dim=8)
+    return _llama_like(
+        transformers.Gemma2Config, transformers.Gemma2ForCausalLM, hidden_size, head_dim=8
+    )
 
 
 @_seeded
@@ -341,7 +349,7 @@ def handwritten() -> Built:
 class HFArchitecture(NamedTuple):
     """``(builder, norm_kind)``: how to build the model, and the kind of its norms."""
 
-    builder: Callable[[], Built]
+    builder: Callable[..., Built]
     norm_kind: str
 
 
@@ -367,11 +375,14 @@ HF_ARCHITECTURES: dict[str, HFArchitecture] = {
 }
 
 
-def build_hf_model(name: str) -> Built:
+def build_hf_model(name: str, **options: object) -> Built:
     """Build the tiny model ``name`` (a key of :data:`HF_ARCHITECTURES`) and its forward.
 
     Args:
         name: architecture name, e.g. ``"gpt2"``, ``"gemma3"``, ``"handwritten"``.
+        options: passed to the builder; ``hidden_size=...`` (default 32) is accepted by
+            ``llama``, ``mistral``, ``qwen2``, ``gemma`` and ``gemma2``, for reads whose
+            random-direction baseline ``1/sqrt(d)`` needs a wider model.
 
     Returns:
         ``(model, forward)``: the model in eval mode, and a zero-argument callable running one
@@ -383,4 +394,4 @@ def build_hf_model(name: str) -> Built:
         raise KeyError(
             f"unknown architecture {name!r}; known: {', '.join(sorted(HF_ARCHITECTURES))}"
         ) from None
-    return arch.builder()
+    return arch.builder(**options)

@@ -231,6 +231,11 @@ class DeadDirectionMonitor(MonitorCallback):
             profile_subs = {p.name: p.sublayer for p in self.tracker.layout.points}
             for note in self.tracker.layout.notes:
                 rank_zero_info(f"normscope: {note}")
+            if self.tracker.layout.style == "post-norm" and self.sigma_rule in self.rules:
+                # The no-cancellation bound is a pre-norm statement: on post-LN blocks the
+                # profile is logged, but a ratio below 1 is not an alert.
+                self.rules.remove(self.sigma_rule)
+                rank_zero_info("normscope: post-norm model: sigma_min alerts are off")
         self.sigma_rule.sublayers = profile_subs
 
     # ------------------------------------------------------------ the read
