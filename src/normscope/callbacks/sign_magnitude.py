@@ -112,6 +112,7 @@ class SignMagnitudeMonitor(MonitorCallback):
         self.reads = 0
         self.last_report: SignMagnitudeReport | None = None
         self.alerts_fired: list[Alert] = []
+        self.history: list[tuple[int, dict[str, float]]] = []  # run-level sm/<metric> per read
         self._pending_state: dict[str, Any] | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -185,6 +186,7 @@ class SignMagnitudeMonitor(MonitorCallback):
         self.reads += 1
         self.last_report = report
         metrics = report.as_dict()
+        self.history.append((step, {k: v for k, v in metrics.items() if k.count("/") == 1}))
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=step)
         device = trainer.strategy.root_device
