@@ -218,3 +218,40 @@ def test_monitor_failure_is_fail_open(tmp_path):
     assert trainer.global_step == 3
     assert monitor.disabled
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def test_wandb_offline_run_gets_metrics_profile_and_alert(tmp_path, monkeypatch):
+    """A real WandbLogger in offline mode: the run file holds the dd keys, the profile chart,
+    and the alert record of a collapse (the full record reader is a later issue's test)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
+    logger = WandbLogger(project="normscope-test", save_dir=str(tmp_path))
+    trainer = L.Trainer(
+        max_steps=8,
+        accelerator="cpu",
+        logger=logger,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with pytest.warns(UserWarning, match="normscope alert"):
+        trainer.fit(LitTiny(cancel_at_step=4, cancel_layer=1), train_dataloaders=token_loader())
+    logger.experiment.finish()
+    assert monitor.failure is None and not monitor.disabled
+    assert monitor.alerts_fired
+    run_files = list(Path(tmp_path).rglob("run-*.wandb"))
+    assert len(run_files) == 1
+    data = run_files[0].read_bytes()
+    for needle in (
+        b"dd/sigma_min_ratio_min",
+        b"dd/model.ln_f/gamma_alignment",
+        b"dd/sigma_min_profile",
+        b"dd/spectrum_bottom",
+        b"normscope: sigma_min_collapse",
+    ):
+        assert needle in data, needle

@@ -127,7 +127,8 @@ def test_post_ln_profile_is_over_block_outputs_with_the_note() -> None:
     real_tokens = int(sum(b["attention_mask"].sum() for b in batches))
     for point in report.profile.points:
         assert point.n_rows == real_tokens and point.reason is None
-        assert point.sigma_min > 0 and math.isfinite(point.sigma_min_ratio)
+        # >= 0: at the exit lambda_1 sits at the rounding floor and can round to <= 0 (-> 0)
+        assert point.sigma_min >= 0 and math.isfinite(point.sigma_min_ratio)
     # Every point is a LayerNorm output (post-LN), and the last one has the three dead
     # channels: constant outputs, so the uncentred second moment there is rank-deficient and
     # sigma_min collapses to the rounding floor (measured ~1e-9 against ~1e-2 elsewhere).
