@@ -6,7 +6,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch import Callback
+import torch
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -51,6 +52,23 @@ class MonitorCallback(Callback):
 
     def _in_window(self, step: int) -> bool:
         return step == 0 or (step + 1) % self.every_n_steps == 0 or self._deferred > 0
+
+    def _publish(self, trainer: Trainer, metrics: dict[str, float], step: int) -> list[Any]:
+        """Log a read to every logger and ``trainer.callback_metrics``, evaluate the rules,
+        and deliver what fired to the sinks (rank zero). Returns the alerts that fired."""
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=step)
+        device = trainer.strategy.root_device
+        trainer.callback_metrics.update(
+            {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}
+        )
+        fired = [a for rule in self.rules for a in rule.evaluate(metrics, step)]
+        self.alerts_fired.extend(fired)
+        if trainer.is_global_zero:
+            for alert in fired:
+                for sink in self.sinks:
+                    sink(alert, trainer)
+        return fired
 
     def _detach(self) -> None:  # overridden: remove hooks
         return None

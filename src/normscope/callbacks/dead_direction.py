@@ -248,22 +248,11 @@ class DeadDirectionMonitor(MonitorCallback):
         self.last_read_step = step
         self.last_report = report
         metrics = report.as_dict()
-        for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=step)
-        device = trainer.strategy.root_device
-        trainer.callback_metrics.update(
-            {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}
-        )
         if trainer.is_global_zero:
             log_wandb_extras(trainer, report, step)
-        fired = [a for rule in self.rules for a in rule.evaluate(metrics, step)]
-        self.alerts_fired.extend(fired)
-        if trainer.is_global_zero:
-            for alert in fired:
-                for sink in self.sinks:
-                    sink(alert, trainer)
-            if self.verbose:
-                rank_zero_info(format_read_line(report, fired))
+        fired = self._publish(trainer, metrics, step)
+        if self.verbose and trainer.is_global_zero:
+            rank_zero_info(format_read_line(report, fired))
         if self.stop_on_alert:
             stop = trainer.strategy.reduce_boolean_decision(bool(fired), all=False)
             if stop:

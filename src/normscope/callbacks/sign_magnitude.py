@@ -187,20 +187,9 @@ class SignMagnitudeMonitor(MonitorCallback):
         self.last_report = report
         metrics = report.as_dict()
         self.history.append((step, {k: v for k, v in metrics.items() if k.count("/") == 1}))
-        for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=step)
-        device = trainer.strategy.root_device
-        trainer.callback_metrics.update(
-            {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}
-        )
-        fired = [a for rule in self.rules for a in rule.evaluate(metrics, step)]
-        self.alerts_fired.extend(fired)
-        if trainer.is_global_zero:
-            for alert in fired:
-                for sink in self.sinks:
-                    sink(alert, trainer)
-            if self.verbose:
-                rank_zero_info(_read_line(step, metrics, fired))
+        fired = self._publish(trainer, metrics, step)
+        if self.verbose and trainer.is_global_zero:
+            rank_zero_info(_read_line(step, metrics, fired))
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, alert state and the previous read's signs (int8, for ``sign_churn``)."""
