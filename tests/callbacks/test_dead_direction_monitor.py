@@ -255,3 +255,20 @@ def test_wandb_offline_run_gets_metrics_profile_and_alert(tmp_path, monkeypatch)
         b"normscope: sigma_min_collapse",
     ):
         assert needle in data, needle
+
+
+def test_failed_discovery_forward_keeps_the_norm_reads(tmp_path):
+    """A batch the default discovery forward cannot run: the profile is off, with a warning
+    saying how to fix it, and the norm reads still arrive."""
+    torch.manual_seed(0)
+
+    def broken_forward(pl_module, batch):
+        raise TypeError("this module's forward takes something else")
+
+    monitor = DeadDirectionMonitor(every_n_steps=2, example_forward=broken_forward, verbose=False)
+    with pytest.warns(UserWarning, match="residual profile disabled.*example_forward"):
+        trainer = fit(tmp_path, LitTiny(), monitor, steps=2)
+    last = rows_with(read_csv(trainer), "dd/model.ln_f/gamma_alignment")[-1]
+    assert float(last["dd/model.ln_f/gamma_alignment"]) >= 0.9999
+    assert "dd/sigma_min_ratio_min" not in last or last["dd/sigma_min_ratio_min"] == ""
+    assert not monitor.disabled

@@ -222,8 +222,11 @@ class DeadDirectionMonitor(MonitorCallback):
         try:
             with torch.no_grad():
                 self.tracker.attach(forward=lambda: forward(pl_module, batch))
-        except ValueError as err:  # residual discovery failed: keep the norm reads
-            rank_zero_warn(f"normscope: residual profile disabled ({err})")
+        except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
+            rank_zero_warn(
+                f"normscope: residual profile disabled: the discovery forward failed "
+                f"({type(err).__name__}: {err}); pass example_forward=fn(pl_module, batch)"
+            )
             self.tracker.residual = False
             self.tracker.attach()
         profile_subs = {}
