@@ -1,0 +1,273 @@
+"""Read a finished run's logged metrics back: a Lightning CSV logger folder, a W&B offline run,
+or TensorBoard event files, into one :class:`RunLog`.
+
+The W&B reader parses the run's local transaction file (``run-<id>.wandb``) itself: the file is a
+LevelDB-log-format stream (32 KiB blocks of CRC-checked chunks) of protobuf ``Record`` messages,
+which ``wandb.proto.wandb_internal_pb2`` describes. Nothing is unpickled and no network is used.
+
+Example::
+
+    >>> from normscope.runs import read_run  # doctest: +SKIP
+    >>> run = read_run("wandb/offline-run-20261203_053541-v1nliibm")  # doctest: +SKIP
+    >>> steps, ratio = run.series("dd/sigma_min_ratio_min")  # doctest: +SKIP
+    >>> run.alerts[0]["title"]  # doctest: +SKIP
+    'normscope: sigma_min_collapse'
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "RunLog",
+    "RunReadError",
+    "read_csv_run",
+    "read_run",
+    "read_tensorboard_run",
+    "read_wandb_run",
+    "wandb_records",
+]
+
+_BLOCK = 32768
+_CHUNK_HEADER = 7  # crc32 (4) + length (2) + type (1)
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+_WANDB_HEADER = struct.pack("<4sHB", b":W&B", 0xBEE1, 0)
+_STEP_KEYS = ("trainer/global_step", "step", "_step")
+_AT_STEP = re.compile(r"\bat step (\d+)\b")
+
+
+class RunReadError(ValueError):
+    """A path that is not a readable run (the message says what was expected)."""
+
+
+@dataclass
+class RunLog:
+    """A run's logged scalars.
+
+    Attributes:
+        source: ``"csv"``, ``"wandb"`` or ``"tensorboard"``.
+        path: the file or folder read.
+        history: one dict per logged row, every value a float; each row has a ``"step"`` key
+            (the trainer's global step where the logger recorded it).
+        alerts: alert records in log order, each ``{"step", "title", "text", "level"}``
+            (W&B runs only; CSV and TensorBoard have no alert records).
+    """
+
+    source: str
+    path: Path
+    history: list[dict[str, float]] = field(default_factory=list)
+    alerts: list[dict[str, object]] = field(default_factory=list)
+
+    def keys(self) -> list[str]:
+        """Every metric key logged at least once, sorted (``"step"`` excluded)."""
+        return sorted({k for row in self.history for k in row} - {"step"})
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of one key over the rows that logged it, in log order."""
+        rows = [row for row in self.history if key in row]
+        steps = np.array([row["step"] for row in rows], dtype=np.float64)
+        values = np.array([row[key] for row in rows], dtype=np.float64)
+        return steps, values
+
+
+def read_run(path: str | Path) -> RunLog:
+    """Read whatever run ``path`` holds: a W&B run folder or ``.wandb`` file, a folder with a
+    ``metrics.csv`` (Lightning's CSVLogger), or a folder with TensorBoard event files."""
+    p = Path(path)
+    if not p.exists():
+        raise RunReadError(f"no such file or folder: {p}")
+    if p.is_file():
+        if p.suffix == ".wandb":
+            return read_wandb_run(p)
+        if p.name.endswith(".csv"):
+            return read_csv_run(p)
+        if "tfevents" in p.name:
+            return read_tensorboard_run(p.parent)
+        raise RunReadError(f"{p}: not a .wandb, .csv or TensorBoard event file")
+    if list(p.glob("run-*.wandb")) or list(p.glob("*/run-*.wandb")):
+        return read_wandb_run(p)
+    if list(p.rglob("metrics.csv")):
+        return read_csv_run(p)
+    if list(p.rglob("*tfevents*")):
+        return read_tensorboard_run(p)
+    raise RunReadError(
+        f"{p}: found no run in it (looked for a W&B run-*.wandb file, a CSV logger's "
+        "metrics.csv, TensorBoard *tfevents* files)"
+    )
+
+
+# ---------------------------------------------------------------------------------- CSV
+def read_csv_run(path: str | Path) -> RunLog:
+    """Lightning ``CSVLogger`` output: ``metrics.csv`` itself or a folder holding exactly one."""
+    p = Path(path)
+    if p.is_dir():
+        found = sorted(p.rglob("metrics.csv"))
+        if not found:
+            raise RunReadError(f"{p}: no metrics.csv in this folder")
+        if len(found) > 1:
+            listing = ", ".join(str(f.relative_to(p)) for f in found[:6])
+            raise RunReadError(f"{p}: several runs ({listing}); pass one version folder")
+        p = found[0]
+    history: list[dict[str, float]] = []
+    with p.open(newline="") as fh:
+        for raw in csv.DictReader(fh):
+            row: dict[str, float] = {}
+            for key, text in raw.items():
+                if key is None or text in (None, ""):
+                    continue
+                try:
+                    row[key] = float(text)
+                except ValueError:
+                    continue
+            if "step" in row:
+                history.append(row)
+    return RunLog("csv", p, history)
+
+
+# ---------------------------------------------------------------------------------- W&B
+def _wandb_file(path: Path) -> Path:
+    if path.is_file():
+        return path
+    found = sorted(path.glob("run-*.wandb")) or sorted(path.glob("*/run-*.wandb"))
+    if not found:
+        raise RunReadError(f"{path}: no run-*.wandb transaction file in this folder")
+    if len(found) > 1:
+        listing = ", ".join(str(f.relative_to(path)) for f in found[:6])
+        raise RunReadError(f"{path}: several W&B runs ({listing}); pass one run folder")
+    return found[0]
+
+
+def wandb_records(path: str | Path) -> Iterator[object]:
+    """Every protobuf ``Record`` of a W&B transaction file, in order.
+
+    Raises :class:`RunReadError` on a file that is not one, or on a corrupt chunk (checksum)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(path).read_bytes()
+    if not data.startswith(_WANDB_HEADER):
+        raise RunReadError(f"{path}: not a W&B transaction file (bad header)")
+    pos = len(_WANDB_HEADER)
+    pending = bytearray()
+    while pos + _CHUNK_HEADER <= len(data):
+        left_in_block = _BLOCK - pos % _BLOCK
+        if left_in_block < _CHUNK_HEADER:
+            pos += left_in_block  # block trailer: zero padding
+            continue
+        crc, length, kind = struct.unpack_from("<IHB", data, pos)
+        start = pos + _CHUNK_HEADER
+        chunk = data[start : start + length]
+        if kind == 0 and length == 0:
+            pos += left_in_block  # zero-filled tail of a block
+            continue
+        if len(chunk) < length:
+            break  # a run still being written: the last chunk is partial
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
+            raise RunReadError(f"{path}: corrupt chunk at byte {pos} (checksum mismatch)")
+        pos = start + length
+        if kind == _FULL:
+            pending = bytearray(chunk)
+        elif kind == _FIRST:
+            pending = bytearray(chunk)
+            continue
+        elif kind == _MIDDLE:
+            pending += chunk
+            continue
+        elif kind == _LAST:
+            pending += chunk
+        else:
+            raise RunReadError(f"{path}: unknown chunk type {kind} at byte {pos}")
+        record = pb.Record()
+        record.ParseFromString(bytes(pending))
+        yield record
+
+
+def _history_value(item: object) -> float | None:
+    raw = getattr(item, "value_json", "")
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value in ("NaN", "Infinity", "-Infinity"):
+        return float(value.replace("Infinity", "inf"))
+    return None  # media, tables, histograms: not scalars
+
+
+def read_wandb_run(path: str | Path) -> RunLog:
+    """A W&B run (offline or synced) from its local ``run-<id>.wandb`` transaction file.
+
+    Rows are the run's history records with their scalar items; ``"step"`` is Lightning's
+    ``trainer/global_step`` when logged, else W&B's ``_step``. An alert carries the step its text
+    names (normscope's alerts say "at step N"), else that of the last history row written before
+    it (W&B writes a row when the next step begins, so that one can be a step early)."""
+    file = _wandb_file(Path(path))
+    history: list[dict[str, float]] = []
+    alerts: list[dict[str, object]] = []
+    for record in wandb_records(file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row: dict[str, float] = {}
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                value = _history_value(item)
+                if value is not None:
+                    row[key] = value
+            step = next((row[k] for k in _STEP_KEYS if k in row), None)
+            if step is None:
+                step = float(record.history.step.num)
+            row["step"] = step
+            history.append(row)
+        elif kind == "alert":
+            named = _AT_STEP.search(record.alert.text)
+            if named:
+                step = float(named.group(1))
+            else:
+                step = history[-1]["step"] if history else math.nan
+            alerts.append(
+                {
+                    "step": step,
+                    "title": record.alert.title,
+                    "text": record.alert.text,
+                    "level": record.alert.level,
+                }
+            )
+    return RunLog("wandb", file, history, alerts)
+
+
+# ---------------------------------------------------------------------------------- TensorBoard
+def read_tensorboard_run(path: str | Path) -> RunLog:
+    """Scalars of TensorBoard event files under ``path`` (needs the ``tensorboard`` package);
+    one row per step, merging every tag logged at that step."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError as err:  # pragma: no cover - tensorboard is in the test extra
+        raise RunReadError("reading TensorBoard runs needs `pip install tensorboard`") from err
+    p = Path(path)
+    files = sorted(p.rglob("*tfevents*")) if p.is_dir() else [p]
+    if not files:
+        raise RunReadError(f"{p}: no TensorBoard event files in this folder")
+    by_step: dict[float, dict[str, float]] = {}
+    for file in files:
+        acc = EventAccumulator(str(file), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            for event in acc.Scalars(tag):
+                row = by_step.setdefault(float(event.step), {"step": float(event.step)})
+                row[tag] = float(event.value)
+    history = [by_step[s] for s in sorted(by_step)]
+    return RunLog("tensorboard", p, history)

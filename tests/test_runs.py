@@ -1,0 +1,123 @@
+"""normscope.runs: reading real W&B offline runs, CSV logger folders and TensorBoard events back."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from normscope.runs import (
+    RunReadError,
+    read_csv_run,
+    read_run,
+    read_tensorboard_run,
+    read_wandb_run,
+    wandb_records,
+)
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def _wandb_run(tmp_path: Path, steps: int, width: int) -> tuple[Path, dict[int, dict[str, float]]]:
+    import wandb
+
+    run = wandb.init(project="normscope-test", dir=str(tmp_path))
+    rng = np.random.default_rng(0)
+    logged: dict[int, dict[str, float]] = {}
+    for step in range(steps):
+        row = {f"dd/layer.{i}/gamma_alignment": float(rng.standard_normal()) for i in range(width)}
+        row["dd/sigma_min_ratio_min"] = math.nan if step == 2 else 1.0 + step
+        run.log(row, step=step)
+        logged[step] = row
+        if step == 3:
+            run.alert(title="normscope: test", text=f"something at step {step}", level="WARN")
+    run.alert(title="no step named", text="plain text", level="INFO")
+    run.finish()
+    return Path(run.dir).parent, logged
+
+
+def test_wandb_history_and_alerts_round_trip(tmp_path, wandb_offline):
+    """Every logged scalar comes back bit for bit (W&B stores JSON doubles), NaN included; rows
+    larger than a 32 KiB block (FIRST/MIDDLE/LAST chunks) are reassembled."""
+    run_dir, logged = _wandb_run(tmp_path, steps=6, width=1500)
+    run = read_run(run_dir)
+    assert run.source == "wandb" and run.path.suffix == ".wandb"
+    assert run.path.stat().st_size > 3 * 32768
+    assert [int(r["step"]) for r in run.history] == list(range(6))
+    for row in run.history:
+        want = logged[int(row["step"])]
+        for key, value in want.items():
+            got = row[key]
+            assert (math.isnan(value) and math.isnan(got)) or got == value, key
+    steps, values = run.series("dd/sigma_min_ratio_min")
+    assert steps.tolist() == [0, 1, 2, 3, 4, 5]
+    assert np.isnan(values[2]) and values[5] == 6.0
+    # An alert whose text names no step gets the last row written before it: W&B writes step 5's
+    # row only at finish, after the alert, so that is step 4 (the documented "a step early").
+    assert [(a["title"], a["step"], a["level"]) for a in run.alerts] == [
+        ("normscope: test", 3.0, "WARN"),
+        ("no step named", 4.0, "INFO"),
+    ]
+    assert "dd/layer.0/gamma_alignment" in run.keys() and "step" not in run.keys()
+
+
+def test_corrupt_and_foreign_files_are_clear_errors(tmp_path, wandb_offline):
+    run_dir, _ = _wandb_run(tmp_path, steps=2, width=3)
+    file = read_wandb_run(run_dir).path
+    data = bytearray(file.read_bytes())
+    data[200] ^= 0xFF
+    bad = tmp_path / "bad" / "run-bad.wandb"
+    bad.parent.mkdir()
+    bad.write_bytes(bytes(data))
+    with pytest.raises(RunReadError, match="checksum"):
+        list(wandb_records(bad))
+    other = tmp_path / "x.wandb"
+    other.write_bytes(b"not a wandb file at all")
+    with pytest.raises(RunReadError, match="bad header"):
+        read_run(other)
+    with pytest.raises(RunReadError, match="no such file"):
+        read_run(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(RunReadError, match="found no run"):
+        read_run(empty)
+
+
+def test_csv_logger_folder(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="run")
+    logger.log_metrics({"dd/a": 0.5, "loss": 2.0}, step=0)
+    logger.log_metrics({"loss": 1.5}, step=1)
+    logger.log_metrics({"dd/a": float("nan")}, step=3)
+    logger.save()
+    run = read_run(tmp_path)
+    assert run.source == "csv"
+    steps, values = run.series("dd/a")
+    assert steps.tolist() == [0.0, 3.0] and values[0] == 0.5 and np.isnan(values[1])
+    assert run.series("loss")[1].tolist() == [2.0, 1.5]
+    second = CSVLogger(tmp_path, name="run")
+    second.log_metrics({"x": 1.0}, step=0)
+    second.save()
+    with pytest.raises(RunReadError, match="several runs"):
+        read_csv_run(tmp_path)
+
+
+def test_tensorboard_events(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    logger.log_metrics({"dd/a": 0.25, "loss": 3.0}, step=0)
+    logger.log_metrics({"dd/a": 0.75}, step=5)
+    logger.finalize("success")
+    run = read_tensorboard_run(tmp_path)
+    assert run.source == "tensorboard"
+    steps, values = run.series("dd/a")
+    assert steps.tolist() == [0.0, 5.0] and values.tolist() == [0.25, 0.75]
+    assert read_run(tmp_path).keys() == ["dd/a", "loss"]
