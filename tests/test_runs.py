@@ -71,7 +71,7 @@ def test_corrupt_and_foreign_files_are_clear_errors(tmp_path, wandb_offline):
     run_dir, _ = _wandb_run(tmp_path, steps=2, width=3)
     file = read_wandb_run(run_dir).path
     data = bytearray(file.read_bytes())
-    data[200] ^= 0xFF
+    data[7 + 7 + 10] ^= 0xFF  # inside the first record's payload (file header 7, chunk 7)
     bad = tmp_path / "bad" / "run-bad.wandb"
     bad.parent.mkdir()
     bad.write_bytes(bytes(data))
@@ -121,3 +121,11 @@ def test_tensorboard_events(tmp_path):
     steps, values = run.series("dd/a")
     assert steps.tolist() == [0.0, 5.0] and values.tolist() == [0.25, 0.75]
     assert read_run(tmp_path).keys() == ["dd/a", "loss"]
+
+
+def test_a_wandb_save_folder_with_its_latest_run_link(tmp_path, wandb_offline):
+    """``wandb/`` holds the run folder and a ``latest-run`` link to it: one run, not two."""
+    run_dir, _ = _wandb_run(tmp_path, steps=2, width=2)
+    save_dir = run_dir.parent
+    assert (save_dir / "latest-run").is_symlink()
+    assert read_run(save_dir).path.resolve() == read_run(run_dir).path.resolve()

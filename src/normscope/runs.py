@@ -139,6 +139,8 @@ def _wandb_file(path: Path) -> Path:
     if path.is_file():
         return path
     found = sorted(path.glob("run-*.wandb")) or sorted(path.glob("*/run-*.wandb"))
+    # A W&B save folder links its newest run as latest-run/: count each file once.
+    found = sorted({f.resolve(): f for f in found}.values())
     if not found:
         raise RunReadError(f"{path}: no run-*.wandb transaction file in this folder")
     if len(found) > 1:

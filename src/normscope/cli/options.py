@@ -1,0 +1,97 @@
+"""The options of each command (no heavy imports here: ``--help`` and the missing-extra
+message must work without matplotlib or transformers)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["DEFAULT_TOKENS", "report_arguments", "scan_arguments"]
+
+DEFAULT_TOKENS = 8192
+
+
+def scan_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``normscope scan``."""
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a Hugging Face model directory (config.json + *.safetensors, loaded offline) "
+        "or package.module:factory returning an nn.Module (or a (model, tokenizer) pair)",
+    )
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a text file or a folder of text files (default: the Python standard library's "
+        "own source, the demo's corpus)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        metavar="N",
+        help=f"token rows to read (default: max({DEFAULT_TOKENS}, 4 d), d the widest norm; "
+        "reads need at least 2 d)",
+    )
+    p.add_argument(
+        "--out",
+        default="normscope_scan",
+        metavar="DIR",
+        help="output folder (default: %(default)s)",
+    )
+    p.add_argument(
+        "--baseline",
+        choices=("random-init", "none"),
+        default="random-init",
+        help="what deepening is measured against: the same architecture at random init "
+        "(seeded), or nothing",
+    )
+    p.add_argument("--json", action="store_true", help="print report.json to stdout, no table")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow a model directory's own Python code (auto_map) to run",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=128,
+        metavar="T",
+        help="tokens per window (default: %(default)s, capped by the model's positions)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        metavar="B",
+        help="windows per forward (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device for the forwards (default: %(default)s; cuda, cuda:1 ...)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the random-init twin (default: %(default)s)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice; 1 is fastest on a busy machine)",
+    )
+
+
+def report_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``normscope report``."""
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a finished run: a Lightning CSVLogger folder (metrics.csv), a W&B run folder or "
+        "run-*.wandb file (offline runs too), or a folder of TensorBoard event files",
+    )
+    p.add_argument(
+        "--out",
+        default="normscope_report",
+        metavar="DIR",
+        help="output folder (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print report.json to stdout, no table")

@@ -1,0 +1,313 @@
+"""``normscope report RUN_DIR``: a finished run's logged normscope metrics as plots over
+training steps, alerts marked, with ``report.md``, ``report.html`` and ``report.json``.
+
+The run is read by :func:`normscope.runs.read_run` (Lightning CSVLogger folders, W&B run
+folders or files -- offline runs too --, TensorBoard event folders). Rows logged at one step
+are merged into one read. A W&B run carries the alerts the monitor sent (``run.alert``); CSV
+and TensorBoard logs carry none, so there the monitor's default rules
+(:class:`~normscope.alerts.SigmaMinRatioRule`, :class:`~normscope.alerts.KernelLossRule`) are
+re-evaluated over the logged reads, in step order, and the report says so.
+
+Two things a log does not hold are inferred, and the report says that too: the depth order of
+the residual points (``p_0`` is the point whose ratio and step are exactly 1 at every read; the
+rest in natural order of their module paths: ``h.2`` before ``h.10``, numbered paths before
+un-numbered ones such as a final norm), and each norm's declared kind (from ``norm_class`` and
+``kind_mismatch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from normscope.alerts import KernelLossRule, SigmaMinRatioRule
+from normscope.cli import render, run_plots
+from normscope.cli.errors import CLIError
+
+__all__ = ["depth_order", "merge_reads", "reevaluate_alerts", "run"]
+
+_NORM_MARK = "/gamma_alignment"
+_POINT_MARK = "/sigma_min_ratio"
+
+
+def merge_reads(history: Sequence[Mapping[str, float]]) -> dict[float, dict[str, float]]:
+    """The rows holding ``dd/`` keys, merged by step (a logger may split one read across rows:
+    W&B writes the monitor's scalars and its charts as two)."""
+    reads: dict[float, dict[str, float]] = {}
+    for row in history:
+        if any(k.startswith("dd/") for k in row):
+            step = float(row["step"])
+            reads.setdefault(step, {}).update({k: v for k, v in row.items() if k.startswith("dd/")})
+    return dict(sorted(reads.items()))
+
+
+def _keyed(reads: Mapping[float, Mapping[str, float]], mark: str) -> list[str]:
+    found: dict[str, None] = {}
+    for values in reads.values():
+        for key in values:
+            if key.endswith(mark) and key.count("/") >= 2:
+                found[key[len("dd/") : -len(mark)]] = None
+    return list(found)
+
+
+def _natural(path: str) -> tuple[Any, ...]:
+    parts = path.split(".")
+    key = tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
+    return (not any(p.isdigit() for p in parts), key)
+
+
+def depth_order(points: Sequence[str], reads: Mapping[float, Mapping[str, float]]) -> list[str]:
+    """Residual points in (inferred) forward order: ``p_0`` first -- the point whose logged
+    ratio and step are 1 at every read --, then natural order of the module paths.
+
+    Example::
+
+        >>> reads = {1.0: {"dd/e/sigma_min_ratio": 1.0, "dd/e/sigma_min_step": 1.0,
+        ...                "dd/h.10.ln/sigma_min_ratio": 2.0, "dd/h.2.ln/sigma_min_ratio": 3.0}}
+        >>> depth_order(["h.10.ln", "h.2.ln", "e"], reads)
+        ['e', 'h.2.ln', 'h.10.ln']
+    """
+
+    def is_first(p: str) -> bool:
+        values = [
+            (r.get(f"dd/{p}/sigma_min_ratio"), r.get(f"dd/{p}/sigma_min_step"))
+            for r in reads.values()
+        ]
+        values = [v for v in values if v[0] is not None and math.isfinite(v[0])]
+        return bool(values) and all(a == 1.0 and b in (1.0, None) for a, b in values)
+
+    firsts = [p for p in points if is_first(p)]
+    first = sorted(firsts, key=_natural)[:1]
+    return first + sorted((p for p in points if p not in first), key=_natural)
+
+
+def _declared_kinds(
+    norms: Sequence[str], reads: Mapping[float, Mapping[str, float]]
+) -> dict[str, str]:
+    """Each norm's declared kind from ``norm_class`` (+1 / -1) and ``kind_mismatch``."""
+    kinds = {}
+    for name in norms:
+        for values in reads.values():
+            cls = values.get(f"dd/{name}/norm_class")
+            mismatch = values.get(f"dd/{name}/kind_mismatch", 0.0)
+            if cls in (1.0, -1.0):
+                looks_ln = (cls == 1.0) != (mismatch == 1.0)
+                kinds[name] = "layernorm" if looks_ln else "rmsnorm"
+                break
+    return kinds
+
+
+def reevaluate_alerts(
+    reads: Mapping[float, Mapping[str, float]], norms: Sequence[str], points: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The monitor's default rules over the logged reads, in step order.
+
+    Post-norm logs (every point after ``p_0`` named ``<block>.output``) get no sigma_min rule,
+    as in the monitor. Returns ``{"step", "title", "text", "level", "origin"}`` dicts."""
+    kernel = KernelLossRule()
+    kernel.kinds = _declared_kinds(norms, reads)
+    rules: list[Any] = [kernel]
+    post_norm = len(points) > 1 and all(p.endswith(".output") for p in points[1:])
+    if not post_norm:
+        sigma = SigmaMinRatioRule()
+        sigma.sublayers = {p: None for p in points}  # depth order for the upstream rule
+        rules.insert(0, sigma)
+    out = []
+    for step, values in reads.items():
+        for rule in rules:
+            for a in rule.evaluate(values, int(step)):
+                metric = a.key.rsplit("/", 1)[-1]
+                out.append(
+                    {
+                        "step": float(step),
+                        "title": f"normscope: {a.rule}",
+                        "text": f"{a.rule} at {a.point} at step {int(step)}: {metric} "
+                        f"{a.value:.3g} (threshold {a.threshold:.3g})",
+                        "level": "WARN",
+                        "origin": "re-evaluated",
+                    }
+                )
+    return out
+
+
+def _f(value: Any, spec: str) -> str:
+    return (
+        "nan"
+        if value is None or (isinstance(value, float) and not math.isfinite(value))
+        else format(value, spec)
+    )
+
+
+def _summary_rows(
+    reads: Mapping[float, Mapping[str, float]], points: Sequence[str], alert_steps: set[float]
+) -> list[list[str]]:
+    rows = []
+    for step, v in reads.items():
+        ratios = {p: v.get(f"dd/{p}/sigma_min_ratio", math.nan) for p in points[1:]}
+        ratios = {p: r for p, r in ratios.items() if math.isfinite(r)}
+        worst = min(ratios, key=ratios.get) if ratios else "-"
+        rows.append(
+            [
+                f"{step:g}", _f(v.get("dd/sigma_min_ratio_min"), ".4g"),
+                _f(v.get("dd/sigma_min_step_min"), ".4g"), worst,
+                _f(v.get("dd/gamma_alignment_min"), ".6f"), "ALERT" if step in alert_steps else "",
+            ]
+        )  # fmt: skip
+    return rows
+
+
+def _chosen_steps(steps: Sequence[float], alert_steps: Sequence[float], n: int = 5) -> list[float]:
+    """First, last, evenly spaced reads and the first read at or after each alert."""
+    if not steps:
+        return []
+    picks = {steps[round(i * (len(steps) - 1) / max(1, n - 1))] for i in range(n)}
+    for a in alert_steps:
+        later = [s for s in steps if s >= a]
+        if later:
+            picks.add(later[0])
+    return sorted(picks)
+
+
+def run(args: argparse.Namespace) -> int:
+    from normscope.runs import RunReadError, read_run
+
+    render.out_dir(args.out, create=False)
+    try:
+        log = read_run(args.run_dir)
+    except RunReadError as err:
+        raise CLIError(str(err)) from err
+    except OSError as err:
+        raise CLIError(f"{args.run_dir}: cannot read the run ({err})") from err
+    reads = merge_reads(log.history)
+    if not reads:
+        raise CLIError(
+            f"{args.run_dir}: the {log.source} run holds no normscope metrics (no dd/... keys); "
+            "was DeadDirectionMonitor attached?"
+        )
+    norms = sorted(_keyed(reads, _NORM_MARK), key=_natural)
+    points = depth_order(_keyed(reads, _POINT_MARK), reads)
+    notes = []
+    alerts = [
+        {**a, "origin": "logged"}
+        for a in log.alerts
+        if str(a.get("title", "")).startswith("normscope")
+    ]
+    if log.source == "wandb":
+        notes.append(f"alerts: the {len(alerts)} alert record(s) the run logged (run.alert)")
+    else:
+        alerts = reevaluate_alerts(reads, norms, points)
+        notes.append(
+            f"alerts: a {log.source} log holds no alert records; the monitor's default rules "
+            "(SigmaMinRatioRule(1.0, tolerance 0.2), KernelLossRule(1e-4)) were re-evaluated "
+            "over the logged reads"
+        )
+    if points:
+        notes.append("depth order of the residual points inferred from their module paths")
+    alert_steps = sorted(
+        {a["step"] for a in alerts if isinstance(a["step"], float) and math.isfinite(a["step"])}
+    )
+    out = render.out_dir(args.out)
+    images = _plots(reads, norms, points, alerts, alert_steps, out, Path(args.run_dir).name)
+    rows = _summary_rows(reads, points, set(alert_steps))
+    head = [
+        "step",
+        "sigma_min_ratio_min",
+        "sigma_min_step_min",
+        "worst point",
+        "gamma_alignment_min",
+        "",
+    ]
+    result = {
+        "command": "report",
+        "run": {"source": log.source, "path": str(log.path)},
+        "reads": [
+            dict(
+                zip(
+                    [
+                        "step",
+                        "sigma_min_ratio_min",
+                        "sigma_min_step_min",
+                        "worst_point",
+                        "gamma_alignment_min",
+                    ],
+                    r[:5],
+                )
+            )
+            for r in rows
+        ],  # fmt: skip
+        "norms": norms,
+        "points": points,
+        "alerts": alerts,
+        "notes": notes,
+        "files": [*images, "report.md", "report.html", "report.json"],
+    }
+    facts = [
+        f"run: {log.source} log at {log.path}",
+        f"{len(reads)} normscope reads, steps {min(reads):g} to {max(reads):g}; "
+        f"{len(norms)} norm layers, {len(points)} residual points",
+        *notes,
+    ]
+    alert_lines = [f"ALERT at step {a['step']:g}: {a['text']}" for a in alerts]
+    _write(out, result, facts, alert_lines, images, head, rows)
+    if args.json:
+        print(render.to_json(result))
+    else:
+        print(f"normscope report: {log.source} run {log.path}")
+        print("\n".join(render.text_table(head, rows, right=(0, 1, 2, 4))))
+        print("\n".join(alert_lines) or "no alert")
+        for note in notes:
+            print(f"note: {note}")
+        print(f"wrote {', '.join(result['files'])} to {out}/")
+    return 0
+
+
+def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str) -> dict[str, str]:
+    captions: dict[str, str] = {}
+    if points:
+        run_plots.plot_sigma_over_steps(
+            reads, points, alerts, out / "sigma_min_over_steps.png",
+            title=f"{name}: sigma_min ratio over training steps",
+        )  # fmt: skip
+        captions["sigma_min_over_steps.png"] = "sigma_min ratio over training steps"
+        steps = _chosen_steps(list(reads), alert_steps)
+        run_plots.plot_run_profile(
+            reads, points, steps, alert_steps, out / "sigma_min_profile.png",
+            title=f"{name}: sigma_min ratio against depth at a few steps",
+        )  # fmt: skip
+        captions["sigma_min_profile.png"] = "sigma_min ratio against depth"
+    if norms:
+        panels = {
+            "alignment.png": ("gamma_alignment and kernel_residual over steps", [
+                ("gamma_alignment", "gamma_alignment", False),
+                ("kernel_residual", "kernel_residual", True)]),
+            "gamma.png": ("gamma spread, min and max over steps", [
+                ("gamma_spread", "gamma_spread", False), ("gamma_min", "gamma_min", False),
+                ("gamma_max", "gamma_max", False)]),
+            "schur.png": ("Delta_gamma and deepening over steps", [
+                ("delta_gamma", "Delta_gamma", False), ("deepening", "deepening", True)]),
+        }  # fmt: skip
+        lines = {"gamma_alignment": [(0.9999, "0.9999")], "kernel_residual": [(1e-4, "1e-4 alert")]}
+        for file, (caption, spec) in panels.items():
+            run_plots.plot_norm_metrics(
+                reads, norms, spec, alerts, out / file, title=f"{name}: {caption}", hlines=lines
+            )
+            captions[file] = caption
+    return captions
+
+
+def _write(out: Path, result, facts, alert_lines, images, head, rows) -> None:
+    md = [f"# normscope report: {result['run']['path']}", ""] + [f"- {f}" for f in facts] + [""]
+    md += [f"**{a}**" for a in alert_lines] or ["No alert."]
+    md += ["", "## Reads", ""] + render.md_table(head, rows) + ["", "## Plots", ""]
+    for file, caption in images.items():
+        md += [f"### {caption}", "", f"![{caption}]({file})", ""]
+    (out / "report.md").write_text("\n".join(md), encoding="utf-8")
+    page = render.run_html(
+        f"normscope report: {Path(result['run']['path']).name}", facts, alert_lines,
+        {caption: out / file for file, caption in images.items()}, [("Reads", head, rows)],
+    )  # fmt: skip
+    (out / "report.html").write_text(page, encoding="utf-8")
+    (out / "report.json").write_text(render.to_json(result) + "\n", encoding="utf-8")

