@@ -7,10 +7,12 @@ The demo model (``examples/nanogpt.py``) is trained for the same steps in each c
 * ``wandb.watch every=N``        -- ``wandb.watch(model, log="all", log_freq=N)`` (offline W&B run),
                                     the monitoring users already run;
 
-Each step is timed (forward + backward + optimiser, wall clock) inside a Lightning fit. Printed:
-the median step time, the mean step time (what a run pays over all steps), the mean over the
-*non-sampled* steps only (a hook that returns at once must cost nothing there), and the ratio of
-each to ``none``. Usage::
+Each step is timed (forward + backward + optimiser, wall clock) inside a Lightning fit, from
+the first callback's ``on_train_batch_start`` to the last callback's ``on_train_batch_end``, so a
+sampled step includes the monitor's read (:class:`StepTimer`). Printed: the median step time,
+the mean step time (what a run pays over all steps), the mean over the *non-sampled* steps only
+(a hook that returns at once must cost nothing there), the mean over the *sampled* steps (rows
+folded + the read), and the ratio of the mean to ``none``. Usage::
 
     python benchmarks/overhead.py                 # steps=200, cadences 50 and 10, 2 repeats
     python benchmarks/overhead.py --steps 400 --every 50 10 1 --width 128 256
@@ -19,6 +21,8 @@ each to ``none``. Usage::
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import statistics
 import sys
@@ -33,23 +37,59 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from nanogpt import GPTConfig, LitGPT, make_dataloaders  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, machine_line, markdown_table, write_outputs  # noqa: E402
+
 from normscope import DeadDirectionMonitor  # noqa: E402
 
 
 class StepTimer(L.Callback):
-    """Wall time of each optimiser step, from batch start to batch end."""
+    """Wall time of each optimiser step, from the first callback's batch start to the last
+    callback's batch end.
+
+    Lightning runs callback hooks in list order, so a single timer placed anywhere misses the
+    work of the callbacks on one side of it: timed from its own ``on_train_batch_end``, a timer
+    listed before the monitor stops the clock *before* the monitor's read. So the timer is two
+    callbacks: :attr:`start` goes first in the list, the timer itself last::
+
+        timer = StepTimer()
+        trainer = L.Trainer(callbacks=[timer.start, monitor, timer])
+
+    On CUDA both ends synchronise the device, so queued kernels are counted in their step.
+    """
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.steps: list[int] = []
         self._t0 = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._t0 = time.perf_counter()
+        self.start = _StepStart(self)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        _sync_module(pl_module)
         self.times.append(time.perf_counter() - self._t0)
         self.steps.append(trainer.global_step - 1)
+
+    def check_order(self, trainer: L.Trainer, inner: list[L.Callback]) -> None:
+        """Raise unless :attr:`start` comes before, and the timer after, every ``inner`` one."""
+        cbs = list(trainer.callbacks)
+        first, last = cbs.index(self.start), cbs.index(self)
+        if any(not first < cbs.index(c) < last for c in inner):
+            names = [type(c).__name__ for c in cbs]
+            raise RuntimeError(f"StepTimer: start must come first and the timer last, got {names}")
+
+
+class _StepStart(L.Callback):
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        _sync_module(pl_module)
+        self.timer._t0 = time.perf_counter()
+
+
+def _sync_module(pl_module) -> None:
+    if pl_module.device.type == "cuda":
+        torch.cuda.synchronize(pl_module.device)
 
 
 class WandbWatch(L.Callback):
@@ -82,33 +122,94 @@ def run(config: str, every: int, steps: int, width: int, batch_size: int) -> dic
     module = LitGPT(cfg)
     train, _ = make_dataloaders(cfg.block_size, batch_size=batch_size, seed=0)
     timer = StepTimer()
-    callbacks: list[L.Callback] = [timer]
+    inner: list[L.Callback] = []
     tmp = tempfile.mkdtemp(prefix="normscope-bench-")
     if config == "dd":
-        callbacks.append(DeadDirectionMonitor(every_n_steps=every, verbose=False, alerts=()))
+        inner.append(DeadDirectionMonitor(every_n_steps=every, verbose=False, alerts=()))
     elif config == "watch":
-        callbacks.append(WandbWatch(every, tmp))
+        inner.append(WandbWatch(every, tmp))
     trainer = L.Trainer(
         max_steps=steps,
         accelerator="cpu",
         logger=False,
-        callbacks=callbacks,
+        callbacks=[timer.start, *inner, timer],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
+    timer.check_order(trainer, inner)
     trainer.fit(module, train_dataloaders=train)
-    times = timer.times[5:]  # warm-up steps left out for every configuration alike
-    steps_ = timer.steps[5:]
+    return summarise(timer, every, skip=5)
+
+
+def summarise(timer: StepTimer, every: int, skip: int = 5) -> dict:
+    """Median and mean step time, and the means over sampled / non-sampled steps (the first
+    ``skip`` steps, warm-up, left out for every configuration alike)."""
+    times = timer.times[skip:]
+    steps_ = timer.steps[skip:]
     sampled = {s for s in steps_ if s == 0 or (s + 1) % every == 0}
     quiet = [t for t, s in zip(times, steps_) if s not in sampled]
+    hit = [t for t, s in zip(times, steps_) if s in sampled]
     return {
         "median": statistics.median(times),
         "mean": statistics.fmean(times),
         "quiet_mean": statistics.fmean(quiet) if quiet else float("nan"),
+        "sampled_mean": statistics.fmean(hit) if hit else float("nan"),
+        "steps": len(times),
     }
+
+
+HEADERS = [
+    "width",
+    "configuration",
+    "median ms",
+    "mean ms",
+    "non-sampled mean ms",
+    "sampled mean ms",
+    "mean / none",
+    "median / none",
+    "extra ms per read",
+    "extra / (every x none median)",
+]
+
+
+def render(data: list[dict]) -> list[list[str]]:
+    """Table rows of a run (the list ``main`` writes to JSON).
+
+    ``extra ms per read`` is the sampled steps' mean minus the non-sampled steps' mean of the
+    same run (rows folded + the read; with every=1, minus the ``none`` run's mean instead).
+    It is given for the monitor only: ``wandb.watch`` histograms on its own counter, whose
+    steps need not be the ones this schedule calls sampled. The last column is what that
+    extra costs a run at its cadence, against the plain step's median.
+    """
+    rows = []
+    for width in dict.fromkeys(r["width"] for r in data):
+        block = [r for r in data if r["width"] == width]
+        base = next(r for r in block if r["configuration"] == "none")
+        for r in block:
+            extra = math.nan
+            if r["configuration"].startswith("dd"):
+                quiet = r["quiet_mean"] if math.isfinite(r["quiet_mean"]) else base["mean"]
+                extra = r["sampled_mean"] - quiet
+            rows.append(
+                [
+                    str(width),
+                    r["configuration"],
+                    f"{1e3 * r['median']:.1f}",
+                    f"{1e3 * r['mean']:.1f}",
+                    f"{1e3 * r['quiet_mean']:.1f}" if math.isfinite(r["quiet_mean"]) else "-",
+                    f"{1e3 * r['sampled_mean']:.1f}" if r["configuration"] != "none" else "-",
+                    f"{r['mean'] / base['mean']:.3f}",
+                    f"{r['median'] / base['median']:.3f}",
+                    f"{1e3 * extra:.0f}" if math.isfinite(extra) else "-",
+                    f"{100 * extra / (r['every'] * base['median']):.1f}%"
+                    if math.isfinite(extra)
+                    else "-",
+                ]
+            )
+    return rows
 
 
 def main() -> None:
@@ -118,13 +219,24 @@ def main() -> None:
     parser.add_argument("--width", type=int, nargs="+", default=[128])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads (1: reproducible on a shared machine)"
+    )
+    parser.add_argument("--out", default=None, help="also write <out>.md and <out>.json")
+    parser.add_argument("--render", default=None, help="print the table of a saved <out>.json")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        print(saved.get("head", machine_line(saved["machine"])) + "\n")
+        print(markdown_table(HEADERS, render(saved["results"])))
+        return
     os.environ.setdefault("WANDB_SILENT", "true")
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, steps {args.steps}")
-    print("| width | configuration | median ms | mean ms | non-sampled mean ms | mean / none |")
-    print("|---:|---|---:|---:|---:|---:|")
+    torch.set_num_threads(args.threads)
+    info = machine()
+    head = f"{machine_line(info)}; steps {args.steps}, batch {args.batch_size} x 64 bytes"
+    print(head, flush=True)
+    data = []
     for width in args.width:
         configs = [("none", "none", max(args.every))]
         for every in args.every:
@@ -139,16 +251,14 @@ def main() -> None:
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             for name, kind, every in order:
                 r = run(kind, every, args.steps, width, args.batch_size)
+                print(f"  {name} (repeat {rep + 1}): mean {1e3 * r['mean']:.1f} ms", flush=True)
                 if name not in best or r["mean"] < best[name]["mean"]:
                     best[name] = r
-        base = best["none"]
-        for name, _, _ in configs:
-            r = best[name]
-            print(
-                f"| {width} | {name} | {1e3 * r['median']:.1f} | {1e3 * r['mean']:.1f} | "
-                f"{1e3 * r['quiet_mean']:.1f} | {r['mean'] / base['mean']:.3f} |",
-                flush=True,
-            )
+        for name, _, every in configs:
+            data.append({"width": width, "configuration": name, "every": every, **best[name]})
+    text = head + "\n\n" + markdown_table(HEADERS, render(data))
+    print("\n" + text, flush=True)
+    write_outputs(args.out, text, {"machine": info, "head": head, "results": data})
 
 
 if __name__ == "__main__":
