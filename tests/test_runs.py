@@ -129,3 +129,5 @@ def test_a_wandb_save_folder_with_its_latest_run_link(tmp_path, wandb_offline):
     save_dir = run_dir.parent
     assert (save_dir / "latest-run").is_symlink()
     assert read_run(save_dir).path.resolve() == read_run(run_dir).path.resolve()
+    # the folder a user hands to WandbLogger(save_dir=...), two levels above the file
+    assert read_run(save_dir.parent).path.resolve() == read_run(run_dir).path.resolve()

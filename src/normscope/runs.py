@@ -94,7 +94,7 @@ def read_run(path: str | Path) -> RunLog:
         if "tfevents" in p.name:
             return read_tensorboard_run(p.parent)
         raise RunReadError(f"{p}: not a .wandb, .csv or TensorBoard event file")
-    if list(p.glob("run-*.wandb")) or list(p.glob("*/run-*.wandb")):
+    if any(next(p.glob(g), None) for g in ("run-*.wandb", "*/run-*.wandb", "*/*/run-*.wandb")):
         return read_wandb_run(p)
     if list(p.rglob("metrics.csv")):
         return read_csv_run(p)
@@ -138,8 +138,11 @@ def read_csv_run(path: str | Path) -> RunLog:
 def _wandb_file(path: Path) -> Path:
     if path.is_file():
         return path
-    found = sorted(path.glob("run-*.wandb")) or sorted(path.glob("*/run-*.wandb"))
-    # A W&B save folder links its newest run as latest-run/: count each file once.
+    # The run folder itself, W&B's save folder (``wandb/``), or the folder given to
+    # WandbLogger(save_dir=...) that holds it; ``latest-run`` links a run already counted.
+    found = sorted(path.glob("run-*.wandb"))
+    for pattern in ("*/run-*.wandb", "*/*/run-*.wandb"):
+        found = found or sorted(f for f in path.glob(pattern) if "latest-run" not in f.parts)
     found = sorted({f.resolve(): f for f in found}.values())
     if not found:
         raise RunReadError(f"{path}: no run-*.wandb transaction file in this folder")

@@ -1,22 +1,50 @@
-"""What every normscope callback shares: the read schedule and the fail-open guard."""
+"""What every normscope callback shares: the read schedule and the fail-open guards.
+
+A monitor must never crash, stall or corrupt the run it watches. Every Lightning hook a
+:class:`MonitorCallback` subclass defines is wrapped (:meth:`MonitorCallback.__init_subclass__`):
+
+* a failure inside a hook or a read: one warning naming it, the hooks removed, the monitor
+  disabled, the fit goes on (:func:`fail_open`); configuration errors raised in ``setup`` or
+  ``on_fit_start`` (``MisconfigurationException``) still stop the fit before it starts;
+* a failure in ``state_dict`` / ``load_state_dict``: one warning; the checkpoint is saved without
+  the monitor's state, or the monitor starts afresh -- the checkpoint itself is never lost;
+* in :meth:`MonitorCallback._publish`, a logger that raises is skipped for the monitor's metrics
+  from then on (its other metrics and the other loggers are untouched), a rule that raises is
+  disabled, a sink that raises is removed -- each with one warning, the monitor goes on.
+
+Finer failures are handled below: a tap whose tensor it cannot read disables that layer only
+(:mod:`normscope.taps.hooks`), and so does a read that fails for one layer (the trackers).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import (
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+)
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-__all__ = ["MonitorCallback", "fail_open"]
+__all__ = ["MonitorCallback", "check_strategy", "compiled", "eager_forwards", "fail_open"]
 
 
-def fail_open(method: Callable[..., Any]) -> Callable[..., Any]:
+def fail_open(
+    method: Callable[..., Any], *, reraise: tuple[type[BaseException], ...] = ()
+) -> Callable[..., Any]:
     """A monitor must never crash or stall training: on its own failure it warns once,
-    removes its hooks, disables itself, and the fit goes on."""
+    removes its hooks, disables itself, and the fit goes on. Exceptions of the ``reraise``
+    types propagate (configuration errors at ``setup``)."""
+    if getattr(method, "_normscope_guarded", False):
+        return method
 
     @functools.wraps(method)
     def guarded(self: MonitorCallback, *args: Any, **kwargs: Any) -> Any:
@@ -24,16 +52,78 @@ def fail_open(method: Callable[..., Any]) -> Callable[..., Any]:
             return None
         try:
             return method(self, *args, **kwargs)
+        except reraise:
+            raise
         except Exception as err:  # noqa: BLE001 - fail-open is the contract
             self._disable(f"{method.__name__}: {type(err).__name__}: {err}")
             return None
 
+    guarded._normscope_guarded = True  # type: ignore[attr-defined]
     return guarded
+
+
+def _guard_state(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``state_dict`` / ``load_state_dict`` that never break a checkpoint: on failure, one
+    warning; no monitor state in the checkpoint, or a fresh monitor state on resume."""
+    if getattr(method, "_normscope_guarded", False):
+        return method
+    saving = method.__name__ == "state_dict"
+
+    @functools.wraps(method)
+    def guarded(self: MonitorCallback, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001
+            then = (
+                "the checkpoint is saved without the monitor's state (a run resumed from it "
+                "starts its baselines afresh)"
+                if saving
+                else "the monitor starts with a fresh state (baselines from the next read)"
+            )
+            self._warn_once(
+                f"state:{method.__name__}",
+                f"normscope: {type(self).__name__}.{method.__name__} failed; {then} "
+                f"({type(err).__name__}: {err})",
+            )
+            return {} if saving else None
+
+    guarded._normscope_guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
+# Every Lightning hook a monitor may define; each is guarded by fail_open.
+_HOOKS = frozenset(n for n in dir(Callback) if n.startswith("on_")) | {"setup", "teardown"}
+_STATE_HOOKS = frozenset({"state_dict", "load_state_dict"})
+
+
+def _sink_name(sink: Any) -> str:
+    fn = getattr(sink, "fn", None)
+    if fn is not None:
+        return getattr(fn, "__qualname__", None) or repr(fn)
+    return type(sink).__name__
 
 
 class MonitorCallback(Callback):
     """Schedule: the first optimiser step (the baseline) and every ``every_n_steps``-th one are
-    sampled; all gradient-accumulation micro-batches of a sampled step share its window."""
+    sampled; all gradient-accumulation micro-batches of a sampled step share its window.
+
+    Every Lightning hook a subclass defines is guarded (module docstring); per-read lists
+    (``alerts_fired``, ``history``) keep their last :attr:`keep_last` entries.
+    """
+
+    keep_last: int = 1000
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, fn in list(vars(cls).items()):
+            if not callable(fn):
+                continue
+            if name in ("setup", "on_fit_start"):
+                setattr(cls, name, fail_open(fn, reraise=(MisconfigurationException,)))
+            elif name in _HOOKS:
+                setattr(cls, name, fail_open(fn))
+            elif name in _STATE_HOOKS:
+                setattr(cls, name, _guard_state(fn))
 
     def __init__(self, every_n_steps: int) -> None:
         if (
@@ -49,26 +139,85 @@ class MonitorCallback(Callback):
         self.failure: str | None = None
         self._deferred = 0
         self._step_at_batch_start = -1
+        self._baseline_step = 0  # 1 on a compiled model: see compiled()
+        self._warned: set[str] = set()
+        self._skipped_loggers: set[int] = set()
+        self._failed_rules: set[int] = set()
 
     def _in_window(self, step: int) -> bool:
-        return step == 0 or (step + 1) % self.every_n_steps == 0 or self._deferred > 0
+        return (
+            step == self._baseline_step
+            or (step + 1) % self.every_n_steps == 0
+            or self._deferred > 0
+        )
 
     def _publish(self, trainer: Trainer, metrics: dict[str, float], step: int) -> list[Any]:
         """Log a read to every logger and ``trainer.callback_metrics``, evaluate the rules,
-        and deliver what fired to the sinks (rank zero). Returns the alerts that fired."""
+        and deliver what fired to the sinks (rank zero). Returns the alerts that fired.
+
+        A logger, rule or sink that raises is warned about once and left out from then on
+        (loggers: for this monitor's metrics only); the others, and the monitor, go on."""
+        monitor = type(self).__name__
         for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=step)
+            if id(lg) in self._skipped_loggers:
+                continue
+            try:
+                lg.log_metrics(metrics, step=step)
+            except Exception as err:  # noqa: BLE001 - that logger only
+                self._skipped_loggers.add(id(lg))
+                self._warn_once(
+                    f"logger:{id(lg)}",
+                    f"normscope: logger {type(lg).__name__} failed to log {monitor}'s metrics "
+                    f"and is skipped for them from now on; its other metrics and the other "
+                    f"loggers are not affected ({type(err).__name__}: {err})",
+                )
         device = trainer.strategy.root_device
         trainer.callback_metrics.update(
             {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}
         )
-        fired = [a for rule in self.rules for a in rule.evaluate(metrics, step)]
+        fired: list[Any] = []
+        for rule in self.rules:
+            if id(rule) in self._failed_rules:
+                continue
+            try:
+                fired.extend(rule.evaluate(metrics, step))
+            except Exception as err:  # noqa: BLE001 - that rule only
+                self._failed_rules.add(id(rule))
+                self._warn_once(
+                    f"rule:{id(rule)}",
+                    f"normscope: alert rule {getattr(rule, 'name', type(rule).__name__)!r} "
+                    f"failed and is disabled; {monitor} and its other rules go on "
+                    f"({type(err).__name__}: {err})",
+                )
         self.alerts_fired.extend(fired)
+        self._keep_bounded()
         if trainer.is_global_zero:
             for alert in fired:
-                for sink in self.sinks:
-                    sink(alert, trainer)
+                for sink in list(self.sinks):
+                    try:
+                        sink(alert, trainer)
+                    except Exception as err:  # noqa: BLE001 - that sink only
+                        self.sinks.remove(sink)
+                        self._warn_once(
+                            f"sink:{id(sink)}",
+                            f"normscope: alert sink {_sink_name(sink)} failed and is removed; "
+                            f"{monitor} and its other sinks go on ({type(err).__name__}: {err})",
+                        )
         return fired
+
+    def _keep_bounded(self) -> None:
+        """Per-read lists keep their last ``keep_last`` entries: a week-long run with a read
+        every few steps must not grow the callback (or its checkpoints) without bound."""
+        for attr in ("alerts_fired", "history"):
+            items = getattr(self, attr, None)
+            if isinstance(items, list) and len(items) > self.keep_last:
+                del items[: len(items) - self.keep_last]
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        rank_zero_warn(message)
 
     def _detach(self) -> None:  # overridden: remove hooks
         return None
@@ -81,3 +230,108 @@ class MonitorCallback(Callback):
             f"normscope: {type(self).__name__} disabled itself after an internal error; training "
             f"continues without it ({reason})"
         )
+
+
+_SINGLE_AND_DDP = "a single device; DDP (DDPStrategy: strategy='ddp', 'ddp_spawn', 'ddp_fork')"
+_FSDP2 = (
+    "FSDP2 (ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1), with "
+    "torch.distributed.fsdp.fully_shard applied in configure_model)"
+)
+_REFUSED: tuple[tuple[type[Strategy], str], ...] = (
+    (
+        DeepSpeedStrategy,
+        "ZeRO stage 3 partitions every parameter, so a gamma is not whole where the monitor reads "
+        "it, and no DeepSpeed stage has been tested with normscope",
+    ),
+    (
+        FSDPStrategy,
+        "FSDP1 (FullyShardedDataParallel) keeps each gamma in flat shards outside the forward, "
+        "where the monitor reads it (Lightning also runs it on CUDA only, where it is untested)",
+    ),
+)
+
+
+def check_strategy(strategy: Strategy, monitor: str, *, fsdp2: bool = True) -> None:
+    """Refuse, at ``setup``, a strategy whose parameters the monitor cannot read whole.
+
+    Args:
+        strategy: ``trainer.strategy``.
+        monitor: the monitor's name, for the message.
+        fsdp2: whether the monitor reads FSDP2 (DTensor-sharded) parameters; if not,
+            ``ModelParallelStrategy`` is refused too.
+
+    Raises:
+        MisconfigurationException: naming the strategy, why, and what is supported.
+
+    Example::
+
+        from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+        check_strategy(DDPStrategy(), "DeadDirectionMonitor")   # passes
+        check_strategy(FSDPStrategy(), "DeadDirectionMonitor")  # MisconfigurationException:
+        # "DeadDirectionMonitor: FSDPStrategy is not supported: FSDP1 ... Supported: ..."
+    """
+    refused = list(_REFUSED)
+    if not fsdp2:
+        refused.append(
+            (
+                ModelParallelStrategy,
+                "its weight and probe reads take whole nn.Linear weights, and FSDP2 / tensor "
+                "parallelism shard them as DTensors",
+            )
+        )
+    elif isinstance(strategy, ModelParallelStrategy) and _tensor_parallel_size(strategy) > 1:
+        refused.append(
+            (
+                ModelParallelStrategy,
+                "tensor parallelism is untested: the reads reduce over every process, so rows "
+                "that tensor-parallel peers share would be counted once per peer",
+            )
+        )
+    supported = f"{_SINGLE_AND_DDP}; {_FSDP2}" if fsdp2 else _SINGLE_AND_DDP
+    for cls, why in refused:
+        if isinstance(strategy, cls):
+            raise MisconfigurationException(
+                f"{monitor}: {type(strategy).__name__} is not supported: {why}. Supported: "
+                f"{supported}."
+            )
+
+
+def compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule is ``torch.compile``d: Lightning's
+    ``trainer.fit(torch.compile(model))``, ``self.model = torch.compile(...)`` (an
+    ``OptimizedModule``) or ``module.compile()`` in place.
+
+    Why it matters: dynamo caches the graph of the first compiled forward, and a forward traced
+    with the gate open breaks its graph at every hooked module (the fold runs eagerly). Traced
+    closed first, the model compiles whole and the open gate adds a second, cached graph for the
+    sampled steps only; traced open first, the broken graph is what every step runs. So on a
+    compiled model the baseline window is the second optimiser step, not the first."""
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    optimized = getattr(torch._dynamo, "OptimizedModule", ())
+    return any(
+        isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
+
+
+def _tensor_parallel_size(strategy: ModelParallelStrategy) -> int:
+    try:
+        return int(strategy.device_mesh["tensor_parallel"].size())
+    except (RuntimeError, KeyError):  # no mesh yet: the size asked for ("auto": devices per node)
+        size = strategy._tensor_parallel_size
+        return size if isinstance(size, int) else 2
+
+
+@contextlib.contextmanager
+def eager_forwards() -> Iterator[None]:
+    """Run the forwards inside eagerly, even those of a ``torch.compile``d model: the monitor's
+    own forwards (the residual discovery forward, whose temporary hooks compare tensor
+    identities) must never be traced by dynamo, nor add graphs to the training cache."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    if set_stance is None:  # pragma: no cover - older torch
+        with torch._dynamo.config.patch(disable=True):
+            yield
+        return
+    with set_stance("force_eager"):
+        yield

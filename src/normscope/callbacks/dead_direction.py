@@ -9,10 +9,17 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from normscope.alerts import Alert, AlertRule, KernelLossRule, SigmaMinRatioRule, build_sinks
-from normscope.callbacks._base import MonitorCallback, fail_open
+from normscope.callbacks._base import (
+    MonitorCallback,
+    check_strategy,
+    compiled,
+    eager_forwards,
+    fail_open,
+)
 from normscope.callbacks.wandb_extras import log_wandb_extras
 from normscope.monitors.dead_direction import DeadDirectionReport, DeadDirectionTracker
 from normscope.monitors.format import format_read_line, format_summary
@@ -20,6 +27,10 @@ from normscope.monitors.scan import batch_mask, call_model
 from normscope.taps.norms import NormDiscoveryError
 
 __all__ = ["DeadDirectionMonitor"]
+
+# Lightning precisions whose forwards run the norm layers themselves in half precision ("-mixed"
+# autocast keeps layer_norm in float32: measured kernel_residual ~3e-15 under bf16-mixed on CPU).
+_HALF_TRUE = ("bf16-true", "16-true")
 
 
 class DeadDirectionMonitor(MonitorCallback):
@@ -52,7 +63,9 @@ class DeadDirectionMonitor(MonitorCallback):
         alerts: sinks: ``"log"``, ``"wandb"``, or callables ``fn(alert)``.
         stop_on_alert: set ``trainer.should_stop`` when an alert fires (decided across ranks, so
             all stop together).
-        null_tol: ``tau`` of ``null_dim``; raise it for bf16 forwards (e.g. 1e-4).
+        null_tol: ``tau`` of ``null_dim``; raise it for half-precision norm forwards (e.g. 1e-4
+            under ``precision="bf16-true"``, where the kernel's floor is about 1e-6; a warning at
+            setup says so). ``bf16-mixed`` keeps LayerNorm in float32: the default holds.
         max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor); over it, norm
             layers are taken at a stride over depth (the final norm always kept) and a warning
             says which were left out.
@@ -63,7 +76,9 @@ class DeadDirectionMonitor(MonitorCallback):
 
     Raises:
         MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
-            layer name.
+            layer name / a strategy it cannot read (FSDP1, DeepSpeed: the message says what is
+            supported). A module that overrides ``configure_model`` has its layers found at
+            ``on_fit_start`` instead, after Lightning has built and sharded them.
 
     Example::
 
@@ -140,6 +155,23 @@ class DeadDirectionMonitor(MonitorCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or self.tracker is not None:
             return
+        check_strategy(trainer.strategy, "DeadDirectionMonitor")
+        if str(trainer.precision) in _HALF_TRUE and self.null_tol < 1e-6:
+            rank_zero_warn(
+                f"normscope: precision={trainer.precision!r} runs the norm layers in half "
+                f"precision, so a LayerNorm's kernel holds only to the output rounding floor "
+                f"(kernel_residual about 1e-6 in bf16, measured), above null_tol="
+                f"{self.null_tol:g}: null_dim will read 0. Pass null_tol=1e-4 to count it."
+            )
+        if is_overridden("configure_model", pl_module):
+            return  # its layers may be built (or sharded) there, after setup: see on_fit_start
+        self._build_tracker(pl_module)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.tracker is None:
+            self._build_tracker(pl_module)
+
+    def _build_tracker(self, pl_module: LightningModule) -> None:
         try:
             self.tracker = DeadDirectionTracker(
                 pl_module,
@@ -165,6 +197,8 @@ class DeadDirectionMonitor(MonitorCallback):
             return
         if not tracker.attached:
             self._attach(pl_module, batch)
+            if trainer.global_step == 0 and compiled(pl_module):
+                self._baseline_step = 1  # the first compiled forward must see the gate closed
         self._step_at_batch_start = trainer.global_step
         if self._in_window(trainer.global_step):
             tracker.snapshot_gammas()  # the gammas this window's forwards use
@@ -220,7 +254,8 @@ class DeadDirectionMonitor(MonitorCallback):
         assert self.tracker is not None
         forward = self.example_forward or call_model
         try:
-            with torch.no_grad():
+            # eager even on a compiled model: dynamo must not trace discovery's identity hooks
+            with torch.no_grad(), eager_forwards():
                 self.tracker.attach(forward=lambda: forward(pl_module, batch))
         except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
             rank_zero_warn(

@@ -10,10 +10,11 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from normscope.alerts import Alert, AlertRule, OutlierRule, SignChurnSpikeRule, build_sinks
-from normscope.callbacks._base import MonitorCallback, fail_open
+from normscope.callbacks._base import MonitorCallback, check_strategy, compiled, fail_open
 from normscope.monitors.scan import call_model
 from normscope.monitors.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
 
@@ -118,6 +119,16 @@ class SignMagnitudeMonitor(MonitorCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or self.tracker is not None:
             return
+        check_strategy(trainer.strategy, "SignMagnitudeMonitor", fsdp2=False)
+        if is_overridden("configure_model", pl_module):
+            return  # its layers may be built (or sharded) there, after setup: see on_fit_start
+        self._build_tracker(pl_module)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.tracker is None:
+            self._build_tracker(pl_module)
+
+    def _build_tracker(self, pl_module: LightningModule) -> None:
         try:
             self.tracker = SignMagnitudeTracker(
                 pl_module,
@@ -140,6 +151,8 @@ class SignMagnitudeMonitor(MonitorCallback):
             return
         if not self.tracker.attached:
             self.tracker.attach()
+            if trainer.global_step == 0 and compiled(pl_module):
+                self._baseline_step = 1  # the first compiled forward must see the gate closed
         if self.probe_batch is None:
             self.probe_batch = move_data_to_device(_slice_batch(batch, self.probe_samples), "cpu")
         self._step_at_batch_start = trainer.global_step

@@ -211,7 +211,8 @@ class StreamingCovariance:
         share = n_b / n.clamp_min(1)
         if comoment_b is not None:
             self._comoment += comoment_b
-        self._comoment += torch.outer(delta, delta) * (n_a * share)
+        # In-place rank-1 update, the scalar folded into one vector: no d x d temporary.
+        self._comoment.addr_(delta, delta * (n_a * share))
         self._mean += delta * share
         self._n = n
 
@@ -249,11 +250,11 @@ class StreamingCovariance:
         n = head[0]
         mean = head[1:-1] / n.clamp_min(1)
         delta = self._mean - mean
-        comoment = self._comoment + torch.outer(delta, delta) * self._n
-        dist.all_reduce(comoment, op=dist.ReduceOp.SUM, group=group)
+        # Re-centre in place (rank-1, no d x d temporary) and sum: one state of memory.
+        self._comoment.addr_(delta, delta * self._n)
+        dist.all_reduce(self._comoment, op=dist.ReduceOp.SUM, group=group)
         self._n = n
         self._mean = mean
-        self._comoment = comoment
         self._rejected = head[-1].round().to(torch.int64)
         return self
 

@@ -14,6 +14,7 @@ gets a tap of its own. Taps are shared: one accumulator per ``(module, input|out
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from normscope.functional.dead_direction import (
 from normscope.functional.profile import SigmaMinProfile, sigma_min_profile
 from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import NormLayer, find_norm_layers
-from normscope.taps.residual import ResidualLayout, find_residual_points
+from normscope.taps.residual import ResidualLayout, ResidualPoint, find_residual_points
 
 __all__ = ["DeadDirectionReport", "DeadDirectionTracker", "NormReport"]
 
@@ -94,6 +95,10 @@ class DeadDirectionReport:
             steps = [s for s in steps if math.isfinite(s)]
             out[f"{FAMILY}/sigma_min_step_min"] = min(steps) if steps else math.nan
         out[f"{FAMILY}/rows_rejected"] = float(self.rows_rejected)
+        # layers (norms, residual points, the profile) no longer read after a failure
+        out[f"{FAMILY}/reads_disabled"] = float(
+            len({key.rsplit(":", 1)[0] for key in self.failed_taps})
+        )
         if self.norms:
             aligned = [
                 n.kernel.gamma_alignment for n in self.norms.values() if n.kind == "layernorm"
@@ -120,9 +125,13 @@ class DeadDirectionTracker:
         residual: also track the residual stream's ``sigma_min`` depth profile (needs one
             discovery forward, see :meth:`attach`).
         max_rows_per_step: rows kept per tapped tensor per forward (seeded uniform subsample).
-        max_memory: byte budget for the norm layers' accumulators (``2 x 8 d^2`` per layer: input
-            and output); over it, layers are taken at a stride over depth, the last (final norm)
-            always kept, and a warning names what was left out.
+        max_memory: byte budget for every accumulator (``8 d^2`` per tapped tensor: a norm's
+            input and output, each residual point; a point that is a norm's input is shared).
+            Over it (checked at :meth:`attach`, once the points are known), the residual profile
+            is kept whole if it fits, else read at a stride over depth (first and last point
+            kept), and norm layers are read at a stride over depth with what is left (the final
+            norm kept when it fits); a warning names what was left out, and
+            :meth:`memory_bytes` stays within the budget.
         null_tol: ``tau`` of ``null_dim`` (METRICS §1.2); raise it for bf16 forwards (~1e-4).
         seed: seed of the row subsampling.
 
@@ -155,14 +164,17 @@ class DeadDirectionTracker:
         self.gate = Gate()
         self.taps = TapSet(model, self.gate, max_rows=max_rows_per_step, seed=seed)
         self.norms: list[NormLayer] = find_norm_layers(model, layers)
+        self.max_memory = max_memory
         self.skipped_norms: list[str] = []
-        if max_memory is not None:
-            self.norms, self.skipped_norms = _fit_budget(self.norms, max_memory)
+        self.skipped_points: list[str] = []
+        self.failed_reads: dict[str, str] = {}
         self.layout: ResidualLayout | None = None
         self.baselines: dict[str, float] = {}
         self._norm_taps: dict[str, tuple[Tap, Tap]] = {}
         self._point_taps: list[Tap] = []
         self._gammas: dict[str, torch.Tensor] = {}
+        self._width: int | None = None
+        self._profile_failed: str | None = None
         self.attached = False
 
     # ------------------------------------------------------------------ hooks
@@ -189,17 +201,57 @@ class DeadDirectionTracker:
             return
         if self.layout is None:
             self.discover(forward)
+        if self.max_memory is not None:
+            self._apply_budget(self.max_memory)
         for norm in self.norms:
             self._norm_taps[norm.name] = (
                 self.taps.add(norm.name, "input", norm.dim),
                 self.taps.add(norm.name, "output", norm.dim),
             )
-        if self.layout is not None:
-            width = _stream_width(self.norms, self.layout)
+        if self.layout is not None and self.layout.points:
+            width = self._width or _stream_width(self.norms, self.layout)
             self._point_taps = [
                 self.taps.add(p.module_name, p.where, width) for p in self.layout.points
             ]
         self.attached = True
+
+    def _apply_budget(self, budget: int) -> None:
+        """Fit the taps in ``budget`` bytes (:func:`_plan_budget`); warn naming what is left
+        out. Runs once, at :meth:`attach`, after the residual points are known."""
+        points = self.layout.points if self.layout is not None else ()
+        width = _stream_width(self.norms, self.layout) if points else 0
+        self._width = width or None
+        full = _tap_cost(self.norms, points, width)
+        total_norms = len(self.norms)
+        norms, kept = _plan_budget(self.norms, points, width, budget)
+        if len(norms) == len(self.norms) and len(kept) == len(points):
+            return
+        self.skipped_norms = [n.name for n in self.norms if n not in norms]
+        kept_names = {p.name for p in kept}
+        self.skipped_points = [p.name for p in points if p.name not in kept_names]
+        self.norms = norms
+        if self.layout is not None:
+            note = (
+                f"max_memory: the residual profile reads {len(kept)} of {len(points)} points"
+                if self.skipped_points
+                else None
+            )
+            notes = self.layout.notes + ((note,) if note else ())
+            self.layout = dataclasses.replace(self.layout, points=tuple(kept), notes=notes)
+
+        def names(items: list[str]) -> str:
+            return ", ".join(items[:8]) + (" ..." if len(items) > 8 else "") if items else "none"
+
+        warnings.warn(
+            f"normscope: the accumulators of all {total_norms} norm "
+            f"layers and {len(points)} residual points need {_fmt_bytes(full)}, over "
+            f"max_memory={_fmt_bytes(budget)}; reading {len(norms)} of {total_norms} norm layers "
+            f"and {len(kept)} of {len(points)} residual points, at a stride over depth "
+            f"({_fmt_bytes(_tap_cost(norms, kept, width))}); left out: norm layers "
+            f"{names(self.skipped_norms)}; residual points {names(self.skipped_points)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def detach(self) -> None:
         """Remove every hook (reads of what was accumulated stay possible)."""
@@ -235,12 +287,32 @@ class DeadDirectionTracker:
         if reduce:
             for tap in self.taps.taps.values():  # same order on every rank
                 tap.accumulator.reduce_()
-        norms = {norm.name: self._read_norm(norm) for norm in self.norms}
-        profile = self._read_profile()
+        norms: dict[str, NormReport] = {}
+        for norm in self.norms:
+            tap_in, tap_out = self._norm_taps[norm.name]
+            if norm.name in self.failed_reads or tap_in.failed or tap_out.failed:
+                continue  # disabled: its own warning said why; the other layers are read
+            try:
+                norms[norm.name] = self._read_norm(norm)
+            except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
+                self.failed_reads[norm.name] = f"{type(err).__name__}: {err}"
+                _warn_disabled(
+                    f"the read of norm layer {norm.name!r}", self.failed_reads[norm.name]
+                )
+        profile = None
+        if self._profile_failed is None:
+            try:
+                profile = self._read_profile()
+            except Exception as err:  # noqa: BLE001
+                self._profile_failed = f"{type(err).__name__}: {err}"
+                _warn_disabled("the residual sigma_min profile", self._profile_failed)
         rejected = sum(t.accumulator.rows_rejected for t in self.taps.taps.values())
         failed = {
             f"{t.module_name}:{t.where}": t.failed for t in self.taps.taps.values() if t.failed
         }
+        failed.update({f"{name}:read": why for name, why in self.failed_reads.items()})
+        if self._profile_failed is not None:
+            failed["profile:read"] = self._profile_failed
         report = DeadDirectionReport(step, norms, profile, self.layout, rejected, failed)
         if reset:
             self.reset()
@@ -299,6 +371,15 @@ class DeadDirectionTracker:
         return self.taps.memory_bytes()
 
 
+def _warn_disabled(what: str, reason: str) -> None:
+    warnings.warn(
+        f"normscope: {what} failed and is disabled for the rest of the run; the other reads go "
+        f"on ({reason})",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def _stream_width(norms: Sequence[NormLayer], layout: ResidualLayout) -> int:
     by_name = {n.name: n.dim for n in norms}
     for point in layout.points:
@@ -309,29 +390,67 @@ def _stream_width(norms: Sequence[NormLayer], layout: ResidualLayout) -> int:
     return max(by_name.values())
 
 
-def _fit_budget(norms: list[NormLayer], budget: int) -> tuple[list[NormLayer], list[str]]:
-    """Take norm layers at the smallest stride over depth that fits ``budget`` bytes."""
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
-    def cost(selected: Sequence[NormLayer]) -> int:
-        return sum(2 * 8 * n.dim * n.dim for n in selected)
 
-    if cost(norms) <= budget or not norms:
-        return norms, []
-    for stride in range(2, len(norms) + 1):
-        chosen = norms[::stride]
-        if norms[-1] not in chosen:
-            chosen = [*chosen[:-1], norms[-1]] if len(chosen) > 1 else [norms[-1]]
-        if cost(chosen) <= budget:
+def _tap_cost(norms: Sequence[NormLayer], points: Sequence[ResidualPoint], width: int) -> int:
+    """Bytes of the co-moments of every distinct tap (``8 d^2`` each; a point that is a norm's
+    input shares that norm's input tap)."""
+    keys: dict[tuple[str, str], int] = {}
+    for n in norms:
+        keys[(n.name, "input")] = keys[(n.name, "output")] = n.dim
+    for p in points:
+        keys.setdefault((p.module_name, p.where), width)
+    return sum(8 * d * d for d in keys.values())
+
+
+def _thin_points(points: Sequence[ResidualPoint], kept: Sequence[int]) -> list[ResidualPoint]:
+    """The points at indices ``kept``; a point whose predecessor was left out is relabelled
+    with what now lies before it (one sublayer kind, else ``"block"``)."""
+    out: list[ResidualPoint] = []
+    prev = None
+    for i in kept:
+        p = points[i]
+        if prev is not None and i - prev > 1:
+            kinds = {q.sublayer for q in points[prev + 1 : i + 1]}
+            p = dataclasses.replace(p, sublayer=kinds.pop() if len(kinds) == 1 else "block")
+        out.append(p)
+        prev = i
+    return out
+
+
+def _plan_budget(
+    norms: list[NormLayer], points: Sequence[ResidualPoint], width: int, budget: int
+) -> tuple[list[NormLayer], list[ResidualPoint]]:
+    """What fits in ``budget`` bytes: the residual profile first (the collapse alarm; at a
+    stride over depth, first and last point kept, when it alone is over), then norm layers at
+    the smallest stride over depth that fits in what is left (the final norm kept when it fits).
+    """
+    if _tap_cost(norms, points, width) <= budget:
+        return norms, list(points)
+    kept_points: list[ResidualPoint] = list(points)
+    if _tap_cost([], points, width) > budget:
+        kept_points = []
+        for stride in range(2, len(points)):
+            idx = list(range(0, len(points), stride))
+            if idx[-1] != len(points) - 1:
+                idx.append(len(points) - 1)
+            if _tap_cost([], [points[i] for i in idx], width) <= budget:
+                kept_points = _thin_points(points, idx)
+                break
+        if not kept_points and len(points) >= 2:
+            ends = _thin_points(points, [0, len(points) - 1])
+            kept_points = ends if _tap_cost([], ends, width) <= budget else []
+    chosen: list[NormLayer] = []
+    for stride in range(1, len(norms) + 1):
+        candidate = norms[::stride]
+        if norms[-1] not in candidate:
+            candidate = [*candidate[:-1], norms[-1]] if len(candidate) > 1 else [norms[-1]]
+        if _tap_cost(candidate, kept_points, width) <= budget:
+            chosen = candidate
             break
-    else:
-        chosen = [norms[-1]]
-    skipped = [n.name for n in norms if n not in chosen]
-    warnings.warn(
-        f"normscope: accumulators for all {len(norms)} norm layers need {cost(norms) / 2**20:.1f} MiB, "
-        f"over max_memory={budget / 2**20:.1f} MiB; reading {len(chosen)} at a stride over depth "
-        f"({cost(chosen) / 2**20:.1f} MiB) and leaving out {len(skipped)}: "
-        f"{', '.join(skipped[:8])}{' ...' if len(skipped) > 8 else ''}",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return chosen, skipped
+    return chosen, kept_points

@@ -38,6 +38,9 @@ def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -
         parts.append(f"Delta_gamma max {_f(max(deltas))}")
     if report.rows_rejected:
         parts.append(f"rows_rejected {report.rows_rejected}")
+    if report.failed_taps:
+        off = sorted({key.rsplit(":", 1)[0] for key in report.failed_taps})
+        parts.append(f"disabled after a failure: {', '.join(off)}")
     if fired:
         parts.append(f"ALERTS {len(fired)}: " + "; ".join(a.message for a in fired))
     return " | ".join(parts)

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +125,8 @@ class SignMagnitudeReport:
             o.max_leverage for o in self.outliers.values() if math.isfinite(o.max_leverage)
         ]
         out[f"{FAMILY}/max_leverage_max"] = max(leverages) if leverages else math.nan
+        # reads no longer taken after a failure (a layer's outlier tap, weight read or probe)
+        out[f"{FAMILY}/reads_disabled"] = float(len(self.failed))
         return out
 
 
@@ -203,7 +206,10 @@ class SignMagnitudeTracker:
         probes = default_probe_layers(names) if probe_layers is None else list(probe_layers)
         bad = [n for n in probes if n not in linears]
         if bad:
-            raise ValueError(f"SignMagnitudeTracker: probe_layers not Linear layers: {bad}")
+            raise ValueError(
+                f"SignMagnitudeTracker: probe_layers not Linear layers of "
+                f"{type(model).__name__}: {bad}; available: {', '.join(linears) or 'none'}"
+            )
         self.probe_layers = probes
         self.flip_rate = flip_rate
         self.seed = seed
@@ -234,9 +240,15 @@ class SignMagnitudeTracker:
             try:
                 x = tap_input(args, kwargs)
                 if x is not None:
-                    self._moments[name].update(x)
+                    moment = self._moments[name]
+                    if x.shape[-1] != moment.dim:
+                        raise ValueError(
+                            f"expected an input of width {moment.dim}, got {tuple(x.shape)}"
+                        )
+                    moment.update(x)
             except Exception as err:  # never break the forward
-                self.failed[name] = f"{type(err).__name__}: {err}"
+                self._fail(name, f"the outlier tap on the input of {name!r}", err)
+                self._moments[name].reset()  # a half-filled window would read as a whole one
             return None
 
         return hook
@@ -258,15 +270,36 @@ class SignMagnitudeTracker:
         weights: dict[str, WeightRead] = {}
         outliers: dict[str, OutlierRead] = {}
         for name in self.layers:
-            w = self.model.get_submodule(name).weight.detach()
-            weights[name] = weight_read(w, self.prev_signs.get(name))
-            self.prev_signs[name] = torch.sign(w).to(torch.int8)
+            if f"{name}:weight" not in self.failed:
+                try:
+                    w = self.model.get_submodule(name).weight.detach()
+                    weights[name] = weight_read(w, self.prev_signs.get(name))
+                    self.prev_signs[name] = torch.sign(w).to(torch.int8)
+                except Exception as err:  # noqa: BLE001 - that layer only
+                    self._fail(f"{name}:weight", f"the weight read of {name!r}", err)
             moment = self._moments.get(name)
-            if moment is not None and float(moment.n) > 0:
-                outliers[name] = outlier_amplitudes(moment.second_moment_diagonal())
+            if name in self.failed or moment is None:
+                continue
+            try:
+                if float(moment.n) > 0:
+                    outliers[name] = outlier_amplitudes(moment.second_moment_diagonal())
+            except Exception as err:  # noqa: BLE001
+                self._fail(name, f"the outlier read of {name!r}", err)
         probes = self.probe(probe) if probe is not None and self.probe_layers else {}
         self.reset()
         return SignMagnitudeReport(step, weights, outliers, probes, dict(self.failed))
+
+    def _fail(self, key: str, what: str, err: BaseException) -> None:
+        """Disable one layer's read (``key``) for the rest of the run, warning once."""
+        if key in self.failed:
+            return
+        self.failed[key] = f"{type(err).__name__}: {err}"
+        warnings.warn(
+            f"normscope: {what} failed and is disabled for the rest of the run; the other "
+            f"reads go on ({self.failed[key]})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     @torch.no_grad()
     def probe(self, forward: Callable[[], Any]) -> dict[str, ProbeRead]:
@@ -274,18 +307,38 @@ class SignMagnitudeTracker:
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()
         try:
-            return {name: self._probe_one(name, forward) for name in self.probe_layers}
+            out: dict[str, ProbeRead] = {}
+            live = [n for n in self.probe_layers if f"{n}:probe" not in self.failed]
+            if not live:
+                return out
+            try:
+                # One clean pass serves every layer: each probe restores its weight bit-exactly.
+                clean = self._norm_inputs(forward)
+            except Exception as err:  # noqa: BLE001 - the probe batch itself does not run
+                self._fail("probe forward", "the probe forward (so every probe)", err)
+                for name in live:
+                    self.failed.setdefault(f"{name}:probe", self.failed["probe forward"])
+                return out
+            for name in live:
+                try:
+                    out[name] = self._probe_one(name, forward, clean)
+                except Exception as err:  # noqa: BLE001 - weights are restored in _probe_one
+                    self._fail(f"{name}:probe", f"the probe of {name!r}", err)
+            return out
         finally:
             for module, mode in modes.items():
                 module.training = mode
 
-    def _probe_one(self, name: str, forward: Callable[[], Any]) -> ProbeRead:
+    def _probe_one(
+        self, name: str, forward: Callable[[], Any], clean: list[torch.Tensor] | None = None
+    ) -> ProbeRead:
         """Perturb ``name``'s weight four ways; ``y`` is the input of the first normaliser whose
         input the perturbation changes -- the next normaliser downstream of the layer, found by
         evidence (it also works for weights a parent module uses directly, such as
         ``nn.MultiheadAttention.out_proj``, whose own forward never runs)."""
         linear = self.model.get_submodule(name)
-        clean = self._norm_inputs(forward)
+        if clean is None:
+            clean = self._norm_inputs(forward)
         weight = linear.weight
         saved = weight.detach().clone()
         w64 = saved.to(torch.float64)

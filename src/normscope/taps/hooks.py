@@ -4,6 +4,8 @@ A :class:`TapSet` owns every hook normscope adds to a model. Hooks are registere
 attach time) and stay registered; between sampled steps each hook returns at its first line,
 on a plain Python flag (:attr:`Gate.open`), so it does no device work and no host sync.
 torch.compile needs exactly this: hooks fixed before compiling, never added or removed after.
+Under compile the gate check is traced (dynamo guards on it: one graph with the gate open, one
+closed, both cached) and the fold itself is excluded from the graph (``torch.compiler.disable``).
 
 On a sampled forward a hook folds its tensor's rows into a :class:`StreamingCovariance` on the
 tensor's own device, with the batch's padding mask when the caller supplied one
@@ -154,6 +156,10 @@ class TapSet:
 
         return hook
 
+    # Under torch.compile the hooks are traced: dynamo guards on the gate (two cached graphs,
+    # open and closed; no recompile per step) and breaks the graph here, so that the fold runs
+    # eagerly, in float64, exactly as without compile (tests/scaleout/test_compile.py).
+    @torch.compiler.disable
     def _fold(self, tap: Tap, x: torch.Tensor | None) -> None:
         if in_backward_recompute():
             return
@@ -171,13 +177,26 @@ class TapSet:
                 tap.accumulator.to(x.device)
             tap.accumulator.update(x, mask=mask)
         except Exception as err:  # a monitor must never break the forward pass
-            tap.failed = f"{type(err).__name__}: {err}"
-            warnings.warn(
-                f"normscope: tap on the {tap.where} of {tap.module_name!r} failed and is disabled "
-                f"for the rest of the run ({tap.failed})",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            self._fail_module(tap, f"{type(err).__name__}: {err}")
+
+    def _fail_module(self, tap: Tap, reason: str) -> None:
+        """Disable every tap of ``tap``'s module (its input and output read one layer), forget
+        their partial window, and warn once, naming the module and why."""
+        siblings = [t for t in self.taps.values() if t.module_name == tap.module_name]
+        for t in siblings:
+            if t.failed is None:
+                t.failed = reason
+            try:
+                t.accumulator.reset()  # a half-filled window would be read as if it were whole
+            except Exception:  # noqa: BLE001 - still fail open
+                pass
+        where = " and ".join(sorted({t.where for t in siblings}))
+        warnings.warn(
+            f"normscope: tap on the {where} of {tap.module_name!r} failed and is disabled "
+            f"for the rest of the run; the other layers are still read ({reason})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def reset(self) -> None:
         """Start a new window: every accumulator forgets its rows."""

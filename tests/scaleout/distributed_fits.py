@@ -1,0 +1,303 @@
+"""Real distributed fits on 2 CPU processes (gloo), run as a script by ``tests/scaleout``:
+Lightning re-runs this file for rank 1 (``LOCAL_RANK=1``), and every fit of the script runs in
+the same two processes (one launch: the start-up is the slow part). Each rank writes what it saw
+to ``<out>/<fit>_rank<r>.json``.
+
+Fit ``exact``: learning rate 0, every rank fed a disjoint shard of a fixed dict dataset by
+Lightning's ``DistributedSampler`` (``shuffle=False``), rows subsampling off. Rank 1's batch of
+the first window is all padding (``attention_mask`` zeros): that rank folds no row. Rank 0 saves
+the weights, so that the test can compute the single-process reference on the same rows.
+
+Fit ``stop`` (DDP): a cancelling MLP branch switched on at step 3 on rank 1 only,
+``stop_on_alert``, a CSV and a W&B logger.
+
+Fit ``fsdp``: FSDP2 through Lightning's ``ModelParallelStrategy``; the model is built *and*
+sharded with ``fully_shard`` in ``configure_model`` (so the monitor finds its layers at
+``on_fit_start``); learning rate 0 and the dict data of ``exact``. Rank 0 saves the full weights.
+
+    python -m tests.scaleout.distributed_fits OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from normscope import DeadDirectionMonitor, DeadDirectionTracker
+from normscope.alerts import CallableRule
+from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
+
+BATCH = 16  # per rank
+WORLD = 2
+EXACT_EVERY = 3  # reads after steps 1, 3, 6 ...
+EXACT_WINDOWS = (0, 2, 5)  # ... of the rows of these steps
+EXACT_STOP = 6  # rank 1 alone asks to stop at the read of step 6 ...
+EXACT_MAX_STEPS = 8  # ... so both ranks end at 6, not 8
+
+
+def padding_length(i: int) -> int:
+    """Valid tokens of sample ``i``; 0 for rank 1's samples of step 0 (all padding)."""
+    if i % WORLD == 1 and i < WORLD * BATCH:
+        return 0
+    return 8 + (5 * i) % 9
+
+
+class DictTokens(Dataset):
+    """The ``token_loader`` sequences as dict samples with a right-padding ``attention_mask``."""
+
+    def __init__(self) -> None:
+        self.x, self.y = token_loader().dataset.tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        mask = torch.zeros(self.x.shape[1], dtype=torch.long)
+        mask[: padding_length(i)] = 1
+        return {"input_ids": self.x[i], "attention_mask": mask, "labels": self.y[i]}
+
+
+def shard_batches(step: int) -> list[dict[str, torch.Tensor]]:
+    """The batch each rank trains on at ``step`` (``DistributedSampler``, ``shuffle=False``:
+    rank ``r`` takes samples ``r, r + WORLD, ...``), in rank order."""
+    data = DictTokens()
+    out = []
+    for rank in range(WORLD):
+        idx = [rank + WORLD * (BATCH * step + j) for j in range(BATCH)]
+        items = [data[i] for i in idx]
+        out.append({k: torch.stack([it[k] for it in items]) for k in items[0]})
+    return out
+
+
+def single_process_reads(module: torch.nn.Module, reads: list[dict[str, Any]]) -> list[dict]:
+    """The reference: one process, one tracker, fed every rank's batch of each read's window
+    (``EXACT_WINDOWS``) with ``module``'s weights, no row subsampling. Forwards in train mode
+    with grad on, like the fit's: ``nn.MultiheadAttention``'s no-grad eval fast path (what
+    ``scan_model`` runs) rounds differently in float32, about 1e-8 relative in these reads."""
+    module.train()
+    tracker = DeadDirectionTracker(module, max_rows_per_step=None)
+    first = shard_batches(0)[0]
+    with torch.no_grad():
+        tracker.attach(forward=lambda: module(first["input_ids"]))
+    out = []
+    for read, window in zip(reads, EXACT_WINDOWS):
+        for batch in shard_batches(window):
+            with tracker.gate.sampling(mask=batch["attention_mask"]):
+                module(batch["input_ids"])
+        out.append(tracker.read(step=read["step"], reduce=False).as_dict())
+    tracker.detach()
+    return out
+
+
+class LitDict(LitTiny):
+    """``LitTiny`` on dict batches: ``forward(input_ids, attention_mask=None)``, as a Hugging
+    Face model is called; the mask only tells the monitor which rows are padding. Its loader
+    shards the data with ``DistributedSampler(shuffle=False)`` (Lightning's own sampler would
+    shuffle a training set)."""
+
+    def train_dataloader(self) -> DataLoader:
+        data = DictTokens()
+        sampler = DistributedSampler(
+            data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False
+        )
+        return DataLoader(data, batch_size=BATCH, sampler=sampler)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+class CancelOnRank1(LitTiny):
+    """From step 3, on rank 1 only, block 1 cancels 95% of its input stream: ``x + f(x) - 0.95 x``
+    (``<x, f(x)> < 0``). A forward hook, not ``TinyLM.set_cancel``: that writes a buffer, and DDP
+    broadcasts rank 0's buffers before every forward, which would undo a one-rank change."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 3:
+            self.model.h[1].register_forward_hook(lambda m, args, out: out - 0.95 * args[0])
+
+
+def recorder(reads: list[dict[str, Any]]) -> CallableRule:
+    """A rule that fires nothing and keeps every read's metrics (rules see each read)."""
+
+    def keep(metrics, step):
+        reads.append({"step": step, "metrics": {k: _num(v) for k, v in metrics.items()}})
+
+    return CallableRule("record", keep)
+
+
+def rank_one_only(at_step: int) -> CallableRule:
+    """A rule that fires on rank 1 alone: a stop decision only one rank takes."""
+
+    def fire(metrics, step):
+        if torch.distributed.get_rank() == 1 and step == at_step:
+            return "rank 1 alone asks to stop"
+        return None
+
+    return CallableRule("rank_one_only", fire)
+
+
+def _num(v: float) -> float | str:
+    return v if math.isfinite(v) else repr(v)
+
+
+def trainer(monitor: DeadDirectionMonitor, steps: int, loggers: list, **kw: Any) -> L.Trainer:
+    return L.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=WORLD,
+        max_steps=steps,
+        logger=loggers,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        **kw,
+    )
+
+
+def fit_exact(out: Path) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    reads: list[dict[str, Any]] = []
+    delivered: list[dict[str, Any]] = []
+    monitor = DeadDirectionMonitor(
+        every_n_steps=EXACT_EVERY,
+        max_rows_per_step=None,
+        rules=[recorder(reads), rank_one_only(at_step=EXACT_STOP)],
+        alerts=(lambda a: delivered.append(a.as_dict()),),
+        stop_on_alert=True,
+        verbose=False,
+    )
+    module = LitDict(lr=0.0)
+    t = trainer(
+        monitor, EXACT_MAX_STEPS, [CSVLogger(out, name="exact")], use_distributed_sampler=False
+    )
+    t.fit(module)
+    if t.is_global_zero:
+        torch.save(module.state_dict(), out / "exact_weights.pt")
+    return {
+        "global_step": t.global_step,
+        "reads": reads,
+        "fired": [a.as_dict() for a in monitor.alerts_fired],
+        "delivered": delivered,
+        "log_dir": t.logger.log_dir,
+        "failure": monitor.failure,
+    }
+
+
+def fit_stop(out: Path) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    reads: list[dict[str, Any]] = []
+    delivered: list[dict[str, Any]] = []
+    monitor = DeadDirectionMonitor(
+        every_n_steps=2,
+        stop_on_alert=True,
+        rules=[recorder(reads)],
+        alerts=("wandb", lambda a: delivered.append(a.as_dict())),
+        verbose=False,
+    )
+    wandb_logger = WandbLogger(project="normscope-ddp", save_dir=str(out / "wandb_stop"))
+    t = trainer(monitor, 12, [CSVLogger(out, name="stop"), wandb_logger])
+    t.fit(CancelOnRank1(), train_dataloaders=token_loader(n=512))
+    if t.is_global_zero:
+        wandb_logger.experiment.finish()
+    return {
+        "global_step": t.global_step,
+        "reads": reads,
+        "fired": [a.as_dict() for a in monitor.alerts_fired],
+        "delivered": delivered,
+        "log_dir": t.loggers[0].log_dir,
+        "failure": monitor.failure,
+    }
+
+
+class LitSharded(LitDict):
+    """``LitDict`` built in ``configure_model`` and sharded there with FSDP2, per block and at
+    the root, as Lightning's ``ModelParallelStrategy`` expects."""
+
+    def __init__(self, lr: float = 0.0) -> None:
+        super().__init__(lr=lr)
+        self.model = None
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if self.model is not None:
+            return
+        torch.manual_seed(0)
+        self.model = TinyLM()
+        with torch.no_grad():  # distinct gammas: a read of one shard would not pass for the whole
+            for m in self.model.modules():
+                if isinstance(m, torch.nn.LayerNorm):
+                    m.weight.copy_(0.5 + torch.rand(m.weight.shape))
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=self.hparams.lr)
+
+
+def fit_fsdp(out: Path) -> dict[str, Any]:
+    L.seed_everything(0, verbose=False)
+    reads: list[dict[str, Any]] = []
+    monitor = DeadDirectionMonitor(
+        every_n_steps=EXACT_EVERY, max_rows_per_step=None, rules=[recorder(reads)], verbose=False
+    )
+    module = LitSharded()
+    t = L.Trainer(
+        strategy=ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
+        accelerator="cpu",
+        devices=WORLD,
+        max_steps=EXACT_EVERY * 2,
+        logger=False,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+    )
+    t.fit(module)
+    ln_f = module.model.ln_f.weight
+    full = {  # full_tensor() is a collective: every rank gathers
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in module.model.state_dict().items()
+    }
+    if t.is_global_zero:
+        torch.save(full, out / "fsdp_weights.pt")
+    return {
+        "global_step": t.global_step,
+        "reads": reads,
+        "ln_f_weight_type": type(ln_f).__name__,
+        "ln_f_local_shape": list(ln_f.to_local().shape),
+        "failure": monitor.failure,
+    }
+
+
+FITS = {"exact": fit_exact, "stop": fit_stop, "fsdp": fit_fsdp}
+
+
+def main(out: Path, names: list[str]) -> None:
+    for name in names:
+        result = FITS[name](out)
+        result["rank"] = rank = torch.distributed.get_rank()
+        (out / f"{name}_rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:] or list(FITS))

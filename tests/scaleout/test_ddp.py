@@ -1,0 +1,120 @@
+"""DeadDirectionMonitor under real DDP: ``Trainer(strategy="ddp", devices=2, accelerator="cpu")``
+with gloo. The fits run in ``tests/scaleout/distributed_fits.py`` (fixture ``distributed_run``,
+conftest.py); each rank wrote what it saw as JSON."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from normscope.runs import read_wandb_run
+from tests.scaleout.distributed_fits import (
+    EXACT_MAX_STEPS,
+    EXACT_STOP,
+    LitDict,
+    shard_batches,
+    single_process_reads,
+)
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}  # NaN/inf were written as repr strings
+
+
+def _csv_rows(log_dir: str) -> list[dict[str, str]]:
+    with open(Path(log_dir) / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_reads_equal_the_single_process_reads_on_the_union_of_rows(distributed_run):
+    """Learning rate 0 (the weights stay those of step 0), no row subsampling, each rank a
+    disjoint shard (``DistributedSampler(shuffle=False)``): every logged number of every read
+    equals a single-process tracker fed both shards with the same weights, to 1e-10 (measured:
+    <= 5e-15; only the order of the float64 sums differs)."""
+    reads = distributed_run["results"]["exact", 0]["reads"]
+    assert [r["step"] for r in reads] == [1, 3, 6]
+    module = LitDict(lr=0.0)
+    module.load_state_dict(torch.load(distributed_run["out"] / "exact_weights.pt"))
+    for read, expected in zip(reads, single_process_reads(module, reads)):
+        got = _floats(read["metrics"])
+        assert set(got) == set(expected)
+        for key, value in expected.items():
+            assert math.isfinite(value), key
+            assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-10), key
+
+
+def test_a_rank_with_only_padding_in_a_window_neither_hangs_nor_counts(distributed_run):
+    """Rank 1's batch of step 0 is all padding (``attention_mask`` zeros): it folds no row,
+    takes part in every collective, and the read holds rank 0's rows alone."""
+    first = _floats(distributed_run["results"]["exact", 0]["reads"][0]["metrics"])
+    rank0_rows, rank1_rows = (int(b["attention_mask"].sum()) for b in shard_batches(0))
+    assert rank1_rows == 0 and rank0_rows > 32
+    assert first["dd/model.ln_f/n_rows"] == rank0_rows
+    assert first["dd/model.h.0.ln_1/n_rows"] == rank0_rows
+    later = _floats(distributed_run["results"]["exact", 0]["reads"][1]["metrics"])
+    assert later["dd/model.ln_f/n_rows"] == sum(
+        int(b["attention_mask"].sum()) for b in shard_batches(2)
+    )
+
+
+def test_every_rank_holds_the_same_read(distributed_run):
+    for fit in ("exact", "stop"):
+        rank0, rank1 = (distributed_run["results"][fit, r] for r in (0, 1))
+        assert rank0["failure"] is None and rank1["failure"] is None
+        assert rank0["reads"] == rank1["reads"]  # bit-identical: one all-reduce, same bytes
+
+
+def test_a_stop_decision_taken_on_one_rank_stops_both(distributed_run):
+    """A rule that fires on rank 1 alone at the read of step 6: both ranks stop there (the
+    decision is reduced with "any"), not at max_steps."""
+    rank0, rank1 = (distributed_run["results"]["exact", r] for r in (0, 1))
+    assert [a["rule"] for a in rank1["fired"]] == ["rank_one_only"]
+    assert rank0["fired"] == []
+    assert rank0["global_step"] == rank1["global_step"] == EXACT_STOP < EXACT_MAX_STEPS
+
+
+def test_a_collapse_on_one_rank_alerts_once_and_stops_both(distributed_run):
+    """From step 3 rank 1's block 1 cancels 95% of the stream; rank 0 stays healthy. The read
+    is global (half the rows collapsed: step ratio about 0.70, healthy reads >= 0.88), so the
+    alert fires on both ranks at the next read (step 4), both stop there, and only rank 0
+    delivers it to the sinks."""
+    rank0, rank1 = (distributed_run["results"]["stop", r] for r in (0, 1))
+    for result in (rank0, rank1):
+        assert result["global_step"] == 4
+        assert [(a["rule"], a["step"], a["sublayer"]) for a in result["fired"]] == [
+            ("sigma_min_collapse", 4, "mlp")
+        ]
+    assert [a["step"] for a in rank0["delivered"]] == [4]
+    assert rank1["delivered"] == []
+    before = _floats(rank0["reads"][-2]["metrics"])
+    assert before["dd/sigma_min_step_min"] > 0.8  # healthy until the cancellation
+
+
+def test_only_rank_zero_writes_the_logs(distributed_run):
+    """One CSV file per fit, each read's step once (a second writer would duplicate rows), with
+    the reduced values; one W&B run, holding the alert."""
+    for fit in ("exact", "stop"):
+        result = distributed_run["results"][fit, 0]
+        rows = [r for r in _csv_rows(result["log_dir"]) if r.get("dd/sigma_min_ratio_min")]
+        assert [int(r["step"]) for r in rows] == [r["step"] for r in result["reads"]]
+        for row, read in zip(rows, result["reads"]):
+            assert float(row["dd/model.ln_f/gamma_alignment"]) == float(
+                read["metrics"]["dd/model.ln_f/gamma_alignment"]
+            )
+    # rglob does not follow the latest-run link that W&B adds beside the run folder
+    runs = list((distributed_run["out"] / "wandb_stop").rglob("run-*.wandb"))
+    assert len(runs) == 1
+    log = read_wandb_run(runs[0])
+    reads = distributed_run["results"]["stop", 0]["reads"]
+    rows = [row for row in log.history if "dd/sigma_min_ratio_min" in row]
+    assert [row["step"] for row in rows] == [r["step"] for r in reads] == [1, 2, 4]
+    for row, read in zip(rows, reads):
+        assert {k: row[k] for k in read["metrics"]} == _floats(read["metrics"])
+    assert [(a["step"], a["title"]) for a in log.alerts] == [
+        (4, "normscope: sigma_min_collapse at mlp")
+    ]
