@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from normscope.functional import StreamingCovariance, symmetric_eigh
+from normscope.functional import StreamingCovariance, symmetric_eigh, symmetric_eigvalsh
 
 
 def rel_fro(a: torch.Tensor | np.ndarray, b: np.ndarray) -> float:
@@ -232,6 +232,20 @@ def test_symmetric_eigh_matches_numpy():
     )
     with pytest.raises(ValueError, match="square"):
         symmetric_eigh(torch.zeros(3, 4))
+    # Values only (the reads' cheaper solve): the same spectrum, from a float32 input too; the
+    # 1e-12 relative bound is a few hundred ulps of lambda_max of a 20 x 20 Gram matrix.
+    values = symmetric_eigvalsh(torch.from_numpy(a))
+    assert values.dtype == torch.float64
+    np.testing.assert_allclose(values.numpy(), np.linalg.eigvalsh(a), rtol=1e-12, atol=1e-12)
+    values32 = symmetric_eigvalsh(torch.from_numpy(a).float())
+    np.testing.assert_allclose(
+        values32.numpy(),
+        np.linalg.eigvalsh(a.astype(np.float32).astype(np.float64)),
+        rtol=1e-12,
+        atol=1e-12,
+    )
+    with pytest.raises(ValueError, match="square"):
+        symmetric_eigvalsh(torch.zeros(3, 4))
 
 
 # ------------------------------------------------------------------- two real processes

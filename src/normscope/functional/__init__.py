@@ -1,6 +1,10 @@
 """Pure math on tensors: accumulators and reads (METRICS.md). No hooks, no Lightning, no logging."""
 
-from normscope.functional.covariance import StreamingCovariance, symmetric_eigh
+from normscope.functional.covariance import (
+    StreamingCovariance,
+    symmetric_eigh,
+    symmetric_eigvalsh,
+)
 from normscope.functional.dead_direction import (
     GammaRead,
     KernelRead,
@@ -19,7 +23,7 @@ from normscope.functional.profile import (
     sigma_min_profile,
 )
 
-__all__ = ["StreamingCovariance", "symmetric_eigh"]
+__all__ = ["StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
 __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "kernel_read"]
 __all__ += ["predicted_kernel", "schur_quotient"]
 __all__ += ["ProfilePoint", "SigmaMinProfile", "cancellation_fraction", "sigma_min"]

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from normscope.functional.covariance import symmetric_eigh
+from normscope.functional.covariance import symmetric_eigh, symmetric_eigvalsh
 
 __all__ = [
     "GammaRead",
@@ -335,7 +335,7 @@ def kernel_read(
     removed = p if (declared_kind != "rmsnorm" or g.v_star is None) else p[:, :0]
     alignment = torch.linalg.vector_norm(p.T @ evecs[:, 0])
     try:
-        residual = symmetric_eigh(p.T @ c @ p)[0][-1] / lam_d
+        residual = symmetric_eigvalsh(p.T @ c @ p)[-1] / lam_d
         floor = _restricted_floor(c, removed)
     except RuntimeError:
         return empty("eigh_failed", null_dim, bottom)
@@ -374,7 +374,7 @@ def _restricted_floor(c: torch.Tensor, removed: torch.Tensor) -> float:
         # complement, so Q^T C Q is C restricted there (any orthonormal basis has its spectrum).
         q = torch.linalg.qr(removed, mode="complete").Q[:, k:]
         restricted = q.T @ c @ q
-    ev = symmetric_eigh(restricted)[0]
+    ev = symmetric_eigvalsh(restricted)
     low, mean = float(ev[0]), float(ev.mean())
     return low / mean if mean > 0 else _NAN
 

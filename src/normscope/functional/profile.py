@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
-from normscope.functional.covariance import symmetric_eigh
+from normscope.functional.covariance import symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
 
 __all__ = [
@@ -44,7 +44,7 @@ def _sigma_min(second_moment: torch.Tensor, n_rows: int, where: str) -> tuple[fl
     if not bool(torch.isfinite(s).all()):
         return _NAN, "non_finite_second_moment"
     try:
-        low = float(symmetric_eigh(s)[0][0])
+        low = float(symmetric_eigvalsh(s)[0])
     except RuntimeError:
         return _NAN, "eigh_failed"
     # S is PSD: a negative bottom eigenvalue is rounding (a few ulps of lambda_d), read as 0.
