@@ -33,7 +33,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from normscope import DeadDirectionMonitor, DeadDirectionTracker
+from normscope import DeadDirectionMonitor, DeadDirectionReport, DeadDirectionTracker
 from normscope.alerts import CallableRule
 from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
 
@@ -289,7 +289,58 @@ def fit_fsdp(out: Path) -> dict[str, Any]:
     }
 
 
-FITS = {"exact": fit_exact, "stop": fit_stop, "fsdp": fit_fsdp}
+class FailOnRank1(LitTiny):
+    """Breaks the monitor on rank 1 alone, from step ``at``: ``what`` names the method that
+    raises there (``snapshot_gammas``: at the window's first batch, before any collective;
+    ``min_rows``: at the window's end, before the handshake; ``as_dict``: the report's, after
+    the handshake and the reduce, before the stop decision). Each rank is its own process, so
+    patching a class on rank 1 changes nothing on rank 0."""
+
+    def __init__(self, monitor: DeadDirectionMonitor, what: str, at: int) -> None:
+        super().__init__()
+        self.monitor, self.what, self.at = monitor, what, at
+
+    def on_train_batch_start(self, batch, batch_idx):
+        # The module's hook runs after the callbacks': the failure hits from step `at` + 1.
+        if self.global_rank == 1 and self.global_step == self.at - 1:
+
+            def broken(*args, **kwargs):
+                raise RuntimeError(f"injected on rank 1: {self.what}")
+
+            if self.what == "as_dict":
+                DeadDirectionReport.as_dict = broken
+            else:
+                setattr(self.monitor.tracker, self.what, broken)
+
+
+FAIL_CASES = ("snapshot_gammas", "min_rows", "as_dict")
+FAIL_STEPS = 8
+
+
+def fit_fail(out: Path) -> dict[str, Any]:
+    """A monitor failing on one rank only: every rank must finish the fit (no collective left
+    waiting), the failed rank with its own reason, the others stopping their reads with it."""
+    results = {}
+    for what in FAIL_CASES:
+        L.seed_everything(0, verbose=False)
+        monitor = DeadDirectionMonitor(every_n_steps=2, stop_on_alert=True, verbose=False)
+        t = trainer(monitor, FAIL_STEPS, [CSVLogger(out, name=f"fail_{what}")])
+        original = DeadDirectionReport.as_dict
+        try:
+            t.fit(FailOnRank1(monitor, what, at=3), train_dataloaders=token_loader(n=512))
+        finally:
+            DeadDirectionReport.as_dict = original
+        results[what] = {
+            "global_step": t.global_step,
+            "reads": monitor.reads,
+            "last_read_step": monitor.last_read_step,
+            "disabled": monitor.disabled,
+            "failure": monitor.failure,
+        }
+    return results
+
+
+FITS = {"exact": fit_exact, "stop": fit_stop, "fsdp": fit_fsdp, "fail": fit_fail}
 
 
 def main(out: Path, names: list[str]) -> None:

@@ -118,3 +118,24 @@ def test_only_rank_zero_writes_the_logs(distributed_run):
     assert [(a["step"], a["title"]) for a in log.alerts] == [
         (4, "normscope: sigma_min_collapse at mlp")
     ]
+
+
+@pytest.mark.parametrize("what", ["snapshot_gammas", "min_rows", "as_dict"])
+def test_a_failure_on_one_rank_stalls_no_rank(distributed_run, what):
+    """The monitor breaks on rank 1 alone at step 3 (a sampled window: reads at 0, 1, 3, ...):
+    before any collective, just before the end-of-window handshake, or after the reduce (with
+    stop_on_alert, so rank 0 waits for rank 1's stop vote). Both ranks finish every step (the
+    subprocess has a timeout: a rank left waiting fails the fixture), rank 1 names its failure,
+    rank 0 stops reading at the next handshake, and neither reads after it."""
+    from tests.scaleout.distributed_fits import FAIL_STEPS
+
+    r0 = distributed_run["results"]["fail", 0][what]
+    r1 = distributed_run["results"]["fail", 1][what]
+    assert r0["global_step"] == r1["global_step"] == FAIL_STEPS
+    assert r1["disabled"] and f"injected on rank 1: {what}" in r1["failure"]
+    assert r0["disabled"] and "another rank failed" in r0["failure"]
+    # Windows 0 and 1 were read on both ranks (logged at global steps 1 and 2); window 3's read
+    # (logged at 4) happened on both only when rank 1 failed after the reduce (its counters
+    # were set before as_dict); nothing after.
+    step = 4 if what == "as_dict" else 2
+    assert r0["last_read_step"] == r1["last_read_step"] == step

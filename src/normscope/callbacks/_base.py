@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +50,7 @@ def fail_open(
     @functools.wraps(method)
     def guarded(self: MonitorCallback, *args: Any, **kwargs: Any) -> Any:
         if self.disabled:
+            self._keep_in_step(method.__name__, args)
             return None
         try:
             return method(self, *args, **kwargs)
@@ -56,6 +58,7 @@ def fail_open(
             raise
         except Exception as err:  # noqa: BLE001 - fail-open is the contract
             self._disable(f"{method.__name__}: {type(err).__name__}: {err}")
+            self._keep_in_step(method.__name__, args)
             return None
 
     guarded._normscope_guarded = True  # type: ignore[attr-defined]
@@ -222,14 +225,24 @@ class MonitorCallback(Callback):
     def _detach(self) -> None:  # overridden: remove hooks
         return None
 
-    def _disable(self, reason: str) -> None:
+    def _keep_in_step(self, hook: str, args: tuple[Any, ...]) -> None:
+        """Called for every hook while disabled (and right after a failure): a monitor whose
+        reads take part in collectives overrides it to take part in the one handshake its peers
+        expect, so that a failure on one rank cannot leave the others waiting. Never raises."""
+        return None
+
+    def _disable(self, reason: str, *, warn: bool = True) -> None:
         self.disabled = True
         self.failure = reason
         self._detach()
-        rank_zero_warn(
-            f"normscope: {type(self).__name__} disabled itself after an internal error; training "
-            f"continues without it ({reason})"
-        )
+        if warn:
+            # On the rank that failed, whichever it is (rank_zero_warn would hide rank 1's).
+            warnings.warn(
+                f"normscope: {type(self).__name__} disabled itself after an internal error; "
+                f"training continues without it ({reason})",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 _SINGLE_AND_DDP = "a single device; DDP (DDPStrategy: strategy='ddp', 'ddp_spawn', 'ddp_fork')"
