@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -32,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+# The demo's corpus and `normscope scan`'s default are the same files: one definition.
+from normscope.cli.data import stdlib_files, stdlib_root
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -228,26 +228,6 @@ class GPT(nn.Module):
 
 
 # --------------------------------------------------------------------------- data
-# Installed packages and the standard library's own test suite are skipped: both differ between
-# machines with the same Python (Debian strips test/, pyenv keeps site-packages under lib/).
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
-
-
-def stdlib_root() -> Path:
-    """The directory of the running Python's standard library."""
-    return Path(sysconfig.get_paths().get("stdlib") or os.path.dirname(os.__file__))
-
-
-def stdlib_files(root: Path | None = None) -> list[Path]:
-    """The standard library's ``.py`` files, sorted by relative path (deterministic order)."""
-    root = root or stdlib_root()
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]  # prune before descending
-        found += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
 def stdlib_text(max_bytes: int = 4_000_000) -> bytes:
     """The Python standard library's own sources, sorted by path, concatenated, truncated.
 

@@ -4,7 +4,8 @@ cut into token windows with the model's tokenizer.
 The default corpus is the demo's (``examples/nanogpt.py``): the running Python's standard
 library ``.py`` files sorted by relative path, installed packages and the stdlib's own test
 suite left out, read at run time. The same bytes on every machine with the same Python, no
-download. The helpers are a copy (the package never imports from ``examples/``).
+download. ``examples/nanogpt.py`` imports :func:`stdlib_root` and :func:`stdlib_files` from
+here, so the two corpora cannot drift apart.
 """
 
 from __future__ import annotations

@@ -318,6 +318,14 @@ def _nan_if_empty(n: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 0, torch.zeros_like(n), torch.full_like(n, math.nan))
 
 
+def _symmetrised(matrix: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.device]:
+    """``(A + A^T) / 2`` in float64 and the matrix's device; a clear error if not square."""
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"{where}: expected a square matrix, got shape {tuple(matrix.shape)}")
+    a = matrix.to(torch.float64)
+    return (a + a.T) * 0.5, matrix.device
+
+
 def symmetric_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 eigen-decomposition of a symmetric matrix, eigenvalues ascending.
 
@@ -329,13 +337,7 @@ def symmetric_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(eigenvalues (d,), eigenvectors (d, d))``, columns the eigenvectors.
     """
-    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-        raise ValueError(
-            f"symmetric_eigh: expected a square matrix, got shape {tuple(matrix.shape)}"
-        )
-    device = matrix.device
-    a = matrix.to(torch.float64)
-    a = (a + a.T) * 0.5
+    a, device = _symmetrised(matrix, "symmetric_eigh")
     try:
         evals, evecs = torch.linalg.eigh(a)
     except (RuntimeError, NotImplementedError, TypeError):
@@ -358,13 +360,7 @@ def symmetric_eigvalsh(matrix: torch.Tensor) -> torch.Tensor:
         >>> symmetric_eigvalsh(torch.tensor([[2.0, 1.0], [1.0, 2.0]])).tolist()
         [1.0, 3.0]
     """
-    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-        raise ValueError(
-            f"symmetric_eigvalsh: expected a square matrix, got shape {tuple(matrix.shape)}"
-        )
-    device = matrix.device
-    a = matrix.to(torch.float64)
-    a = (a + a.T) * 0.5
+    a, device = _symmetrised(matrix, "symmetric_eigvalsh")
     try:
         return torch.linalg.eigvalsh(a)
     except (RuntimeError, NotImplementedError, TypeError):
