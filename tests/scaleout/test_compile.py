@@ -23,6 +23,8 @@ minute on 2 cores.
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import pytest
 import torch
@@ -127,3 +129,37 @@ def test_compiled_model_reads_without_recompiling(how, eager_reads):
             assert got[key] == value or (value != value and got[key] != got[key]), key
     assert got["dd/model.ln_f/kernel_residual"] < 1e-12
     assert got["dd/model.ln_f/n_rows"] == 256  # one batch: no row counted twice
+
+
+def test_both_monitors_on_a_compiled_model_stop_compiling_after_the_first_reads():
+    """DeadDirectionMonitor and SignMagnitudeMonitor together on ``model.compile()``: the
+    sign-magnitude fold runs outside the graph and its probe forwards run eagerly, so after the
+    first two read windows no step compiles anything (12 steps, reads every 3)."""
+    from normscope import SignMagnitudeMonitor
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module = LitNoLog(lr=1e-3)
+    counter = CompileCounterWithBackend(BACKEND)
+    module.model.compile(backend=counter)
+    dd = DeadDirectionMonitor(every_n_steps=EVERY, verbose=False)
+    sm = SignMagnitudeMonitor(every_n_steps=EVERY, verbose=False)
+    frames = FrameCount(counter)
+    trainer = L.Trainer(
+        max_steps=12,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[dd, sm, frames],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, train_dataloaders=token_loader())
+    torch._dynamo.reset()
+    assert not dd.disabled and not sm.disabled, (dd.failure, sm.failure)
+    assert dd.reads == sm.reads == 5  # windows 1 (the compiled baseline), 2, 5, 8, 11
+    settled = frames.after_step[3]  # after the windows of steps 1 and 2
+    assert frames.after_step[3:] == [settled] * (12 - 3), frames.after_step
+    last = sm.last_report.as_dict()
+    assert math.isfinite(last["sm/sign_alignment_mean"])

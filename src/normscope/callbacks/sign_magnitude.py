@@ -14,7 +14,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from normscope.alerts import Alert, AlertRule, OutlierRule, SignChurnSpikeRule, build_sinks
-from normscope.callbacks._base import MonitorCallback, check_strategy, compiled, fail_open
+from normscope.callbacks._base import (
+    MonitorCallback,
+    check_strategy,
+    compiled,
+    eager_forwards,
+    fail_open,
+)
 from normscope.monitors.scan import call_model
 from normscope.monitors.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
 
@@ -194,7 +200,13 @@ class SignMagnitudeMonitor(MonitorCallback):
         probe = None
         if self.probe_batch is not None and self.tracker.probe_layers:
             batch = move_data_to_device(self.probe_batch, pl_module.device)
-            probe = lambda: forward(pl_module, batch)  # noqa: E731
+
+            def probe() -> Any:
+                # The probe's forwards (perturbed weights, temporary hooks at the norm inputs)
+                # run eagerly: on a compiled model they must not add graphs to its cache.
+                with eager_forwards():
+                    return forward(pl_module, batch)
+
         report = self.tracker.read(step, probe=probe)
         self.reads += 1
         self.last_report = report

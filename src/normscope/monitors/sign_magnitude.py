@@ -235,23 +235,31 @@ class SignMagnitudeTracker:
 
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self.gate.open or name in self.failed or in_backward_recompute():
+            if not self.gate.open or name in self.failed:
                 return None
-            try:
-                x = tap_input(args, kwargs)
-                if x is not None:
-                    moment = self._moments[name]
-                    if x.shape[-1] != moment.dim:
-                        raise ValueError(
-                            f"expected an input of width {moment.dim}, got {tuple(x.shape)}"
-                        )
-                    moment.update(x)
-            except Exception as err:  # never break the forward
-                self._fail(name, f"the outlier tap on the input of {name!r}", err)
-                self._moments[name].reset()  # a half-filled window would read as a whole one
+            self._fold(name, args, kwargs)
             return None
 
         return hook
+
+    # As in normscope.taps.hooks: under torch.compile the gate check is traced and the float64
+    # fold runs eagerly, outside the graph.
+    @torch.compiler.disable
+    def _fold(self, name: str, args: tuple, kwargs: dict) -> None:
+        if in_backward_recompute():
+            return
+        try:
+            x = tap_input(args, kwargs)
+            if x is not None:
+                moment = self._moments[name]
+                if x.shape[-1] != moment.dim:
+                    raise ValueError(
+                        f"expected an input of width {moment.dim}, got {tuple(x.shape)}"
+                    )
+                moment.update(x)
+        except Exception as err:  # never break the forward
+            self._fail(name, f"the outlier tap on the input of {name!r}", err)
+            self._moments[name].reset()  # a half-filled window would read as a whole one
 
     def detach(self) -> None:
         for handle in self._handles:
