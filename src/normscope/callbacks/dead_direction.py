@@ -21,7 +21,11 @@ from normscope.callbacks._base import (
     fail_open,
 )
 from normscope.callbacks.wandb_extras import log_wandb_extras
-from normscope.monitors.dead_direction import DeadDirectionReport, DeadDirectionTracker
+from normscope.monitors.dead_direction import (
+    DeadDirectionReport,
+    DeadDirectionTracker,
+    key_path,
+)
 from normscope.monitors.format import format_read_line, format_summary
 from normscope.monitors.scan import batch_mask, call_model
 from normscope.taps.norms import NormDiscoveryError
@@ -190,7 +194,7 @@ class DeadDirectionMonitor(MonitorCallback):
             raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
         self.tracker.baselines.update(self._baselines)
         if self.kernel_rule is not None:
-            self.kernel_rule.kinds = {n.name: n.kind for n in self.tracker.norms}
+            self.kernel_rule.kinds = {key_path(n.name): n.kind for n in self.tracker.norms}
 
     @fail_open
     def on_train_batch_start(
@@ -321,7 +325,7 @@ class DeadDirectionMonitor(MonitorCallback):
             self.tracker.attach()
         profile_subs = {}
         if self.tracker.layout is not None:
-            profile_subs = {p.name: p.sublayer for p in self.tracker.layout.points}
+            profile_subs = {key_path(p.name): p.sublayer for p in self.tracker.layout.points}
             for note in self.tracker.layout.notes:
                 rank_zero_info(f"normscope: {note}")
             if self.tracker.layout.style == "post-norm" and self.sigma_rule in self.rules:

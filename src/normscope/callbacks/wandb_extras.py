@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from normscope.monitors.dead_direction import DeadDirectionReport
+from normscope.monitors.dead_direction import DeadDirectionReport, key_path
 
 __all__ = ["log_wandb_extras"]
 
@@ -46,4 +46,4 @@ def log_wandb_extras(trainer: Any, report: DeadDirectionReport, step: int) -> No
         run.log({**payload, "trainer/global_step": step})
         if profile is not None:
             run.summary["dd/sigma_min_ratio_min"] = profile.sigma_min_ratio_min
-            run.summary["dd/worst_point"] = profile.worst_point or ""
+            run.summary["dd/worst_point"] = key_path(profile.worst_point or "")

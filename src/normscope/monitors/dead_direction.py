@@ -37,10 +37,29 @@ from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import NormLayer, find_norm_layers
 from normscope.taps.residual import ResidualLayout, ResidualPoint, find_residual_points
 
-__all__ = ["DeadDirectionReport", "DeadDirectionTracker", "NormReport"]
+__all__ = ["DeadDirectionReport", "DeadDirectionTracker", "NormReport", "key_path"]
 
 FAMILY = "dd"
 NORM_CLASS_CODE = {"layernorm-like": 1.0, "rmsnorm-like": -1.0, "indeterminate": 0.0}
+_COMPILE_WRAPPER = "_orig_mod"  # torch.compile's OptimizedModule holds the model under this name
+
+
+def key_path(path: str) -> str:
+    """A module path as metric keys spell it: without the ``_orig_mod`` segments that
+    ``torch.compile(submodule)`` inserts, so a compiled run, an eager run and a scan log the
+    same keys.
+
+    Example::
+
+        >>> key_path("model._orig_mod.h.0.ln_1")
+        'model.h.0.ln_1'
+        >>> key_path("_orig_mod.ln_f/sigma_min")
+        'ln_f/sigma_min'
+    """
+    parts = path.split(".")
+    if _COMPILE_WRAPPER not in parts:
+        return path
+    return ".".join(p for p in parts if p != _COMPILE_WRAPPER)
 
 
 @dataclass(frozen=True)
@@ -87,10 +106,10 @@ class DeadDirectionReport:
         out: dict[str, float] = {}
         for name, norm in self.norms.items():
             for metric, value in norm.as_dict().items():
-                out[f"{FAMILY}/{name}/{metric}"] = float(value)
+                out[f"{FAMILY}/{key_path(name)}/{metric}"] = float(value)
         if self.profile is not None:
             for key, value in self.profile.as_dict().items():
-                out[f"{FAMILY}/{key}"] = float(value)
+                out[f"{FAMILY}/{key_path(key)}"] = float(value)
             steps = [p.sigma_min_step for p in self.profile.points[1:]]
             steps = [s for s in steps if math.isfinite(s)]
             out[f"{FAMILY}/sigma_min_step_min"] = min(steps) if steps else math.nan

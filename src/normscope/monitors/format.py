@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 
 from normscope.alerts import Alert
-from normscope.monitors.dead_direction import DeadDirectionReport
+from normscope.monitors.dead_direction import DeadDirectionReport, key_path
 
 __all__ = ["format_read_line", "format_summary", "format_table"]
 
@@ -26,7 +26,7 @@ def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -
     if profile is not None:
         worst = profile.worst_point
         sub = next((p.sublayer for p in profile.points if p.name == worst), None)
-        where = f" at {worst} ({sub or 'block'})" if worst else ""
+        where = f" at {key_path(worst)} ({sub or 'block'})" if worst else ""
         parts.append(f"sigma_min_ratio_min {_f(profile.sigma_min_ratio_min)}{where}")
     ln = [n for n in report.norms.values() if n.kind == "layernorm" and n.gamma.dead_channels == 0]
     if ln:

@@ -36,6 +36,7 @@ from normscope.functional.sign_magnitude import (
     ternary_quantization_error,
     weight_read,
 )
+from normscope.monitors.dead_direction import key_path
 from normscope.taps.hooks import Gate, in_backward_recompute
 from normscope.taps.norms import find_norm_layers
 from normscope.taps.residual import tap_input
@@ -110,7 +111,7 @@ class SignMagnitudeReport:
         for group in (self.weights, self.outliers, self.probes):
             for name, read in group.items():
                 for metric, value in read.as_dict().items():
-                    out[f"{FAMILY}/{name}/{metric}"] = float(value)
+                    out[f"{FAMILY}/{key_path(name)}/{metric}"] = float(value)
         summaries = {
             "sign_alignment_mean": [w.sign_alignment for w in self.weights.values()],
             "ternary_alignment_mean": [w.ternary_alignment for w in self.weights.values()],
