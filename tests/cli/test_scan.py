@@ -235,3 +235,39 @@ def test_factory_with_its_own_tokenizer_and_a_short_text(tmp_path: Path) -> None
     assert all(n["deepening"] is None and n["baseline"] is None for n in result["norms"])
     assert all(p["baseline_ratio"] is None for p in result["profile"])
     assert "baseline: none" in stdout
+
+
+def test_max_memory_reads_a_stride_and_says_what_was_left_out(tmp_path: Path) -> None:
+    """--max-memory below what every tap needs: fewer norms are read, the notes name what was
+    left out, and a size that is no size is a usage error (exit 2)."""
+    model_dir = save_tiny("gpt2", tmp_path / "gpt2")
+    full = tmp_path / "full"
+    code, _, stderr = run_cli(
+        "scan", model_dir, "--tokens", 1024, "--seq-len", 32, "--baseline", "none", "--out", full
+    )  # fmt: skip
+    assert code == 0, stderr
+    every = load_json(full / "report.json")
+    code, _, stderr = run_cli(
+        "scan", model_dir, "--tokens", 1024, "--seq-len", 32, "--baseline", "none",
+        "--max-memory", "64KiB", "--out", tmp_path / "small",
+    )  # fmt: skip
+    assert code == 0, stderr
+    small = load_json(tmp_path / "small" / "report.json")
+    assert 0 < len(small["norms"]) < len(every["norms"]) == 5
+    assert any(
+        "max_memory" in note and "left out: norm layers" in note for note in small["notes"]
+    ), small["notes"]
+    kept = {n["name"]: n for n in small["norms"]}
+    for n in every["norms"]:  # what is read is read the same
+        if n["name"] in kept:
+            assert kept[n["name"]]["gamma_alignment"] == pytest.approx(n["gamma_alignment"])
+    code, _, stderr = run_cli("scan", model_dir, "--max-memory", "lots", "--out", tmp_path / "x")
+    assert code == 2 and "not a size" in stderr
+    # a budget with room for the residual profile alone: no norm read, the files still written
+    code, _, stderr = run_cli(
+        "scan", model_dir, "--tokens", 1024, "--seq-len", 32, "--baseline", "none",
+        "--max-memory", "40KiB", "--out", tmp_path / "tiny",
+    )  # fmt: skip
+    assert code == 0, stderr
+    assert load_json(tmp_path / "tiny" / "report.json")["norms"] == []
+    assert (tmp_path / "tiny" / "gamma.png").stat().st_size > 1000

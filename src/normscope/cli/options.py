@@ -5,9 +5,43 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["DEFAULT_TOKENS", "report_arguments", "scan_arguments"]
+__all__ = ["DEFAULT_TOKENS", "parse_size", "report_arguments", "scan_arguments"]
 
 DEFAULT_TOKENS = 8192
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"512MiB"``, ``"4GiB"``, ``"1.5GB"`` or plain bytes, as an int of bytes (> 0).
+
+    Example::
+
+        >>> parse_size("64KiB")
+        65536
+    """
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("kmgib")
+    unit = raw[len(number) :]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: write bytes, or a number with KiB, MiB, GiB (KB, MB, GB)"
+        ) from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be at least 1 byte")
+    return int(value)
 
 
 def scan_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,6 +105,13 @@ def scan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the random-init twin (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-memory",
+        type=parse_size,
+        metavar="SIZE",
+        help="budget for the float64 accumulators (e.g. 4GiB; default: none). Over it, points "
+        "and layers are read at a stride over depth; the notes say what was left out",
     )
     p.add_argument(
         "--threads",

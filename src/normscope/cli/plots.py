@@ -270,6 +270,10 @@ def plot_gamma(
     fig = new_figure()
     ax = fig.add_subplot()
     names = list(gammas)
+    if not names:  # e.g. a --max-memory that left room for the residual profile only
+        ax.text(0.5, 0.5, "no norm layer was read", ha="center", va="center")
+        ax.set_title(title, fontsize=10)
+        return save(fig, path)
     data = [np.asarray(gammas[n], dtype=float) for n in names]
     ax.boxplot(data, positions=range(len(names)), whis=(1, 99), showfliers=False, widths=0.6)
     for i, g in enumerate(data):

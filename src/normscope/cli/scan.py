@@ -85,9 +85,11 @@ def run(args: argparse.Namespace) -> int:
     twin_report = None
     if args.baseline == "random-init":
         twin = loaded.make_twin(args.seed).to(device=device, dtype=torch.float32).eval()
-        twin_report = _scan(twin, data.batches, "random-init twin", notes)
+        twin_report = _scan(twin, data.batches, "random-init twin", notes, args.max_memory)
         del twin
-    report = _scan(loaded.model, data.batches, "checkpoint", notes, baseline=twin_report)
+    report = _scan(
+        loaded.model, data.batches, "checkpoint", notes, args.max_memory, baseline=twin_report
+    )
     result = scan_result(loaded, report, twin_report, data, args, notes)
     out = render.out_dir(args.out)
     gammas = _gammas(loaded.model, list(report.norms))
@@ -123,6 +125,7 @@ def _scan(
     batches: Sequence[Any],
     what: str,
     notes: list[str],
+    max_memory: int | None = None,
     baseline: DeadDirectionReport | None = None,
 ) -> DeadDirectionReport:
     try:
@@ -131,7 +134,7 @@ def _scan(
             _progress(model, len(batches) + 1, f"normscope: scanning the {what}"),
         ):
             warnings.simplefilter("always")
-            report = scan_model(model, batches, baseline=baseline)
+            report = scan_model(model, batches, baseline=baseline, max_memory=max_memory)
     except NormDiscoveryError as err:
         raise CLIError(f"nothing to scan in the {what}: {err}") from err
     except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as err:

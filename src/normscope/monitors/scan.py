@@ -44,6 +44,7 @@ def scan_model(
     max_rows_per_batch: int | None = None,
     null_tol: float = 1e-10,
     baseline: DeadDirectionReport | None = None,
+    max_memory: int | None = None,
 ) -> DeadDirectionReport:
     """Every dead-direction read of ``model`` on ``batches`` (forward passes only, no grad).
 
@@ -58,6 +59,9 @@ def scan_model(
         null_tol: ``tau`` of ``null_dim``.
         baseline: an earlier report (e.g. of the same architecture at random init) whose Schur
             quotients are the baseline of ``deepening``.
+        max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor), as the
+            monitor's: over it, points and layers are read at a stride over depth and a warning
+            names what was left out (those are missing from the report).
 
     Returns:
         a :class:`DeadDirectionReport`; ``report.as_dict()`` is keyed exactly like the monitor's
@@ -81,6 +85,7 @@ def scan_model(
         residual=residual,
         max_rows_per_step=max_rows_per_batch,
         null_tol=null_tol,
+        max_memory=max_memory,
     )
     try:
         tracker.attach(forward=lambda: call_model(model, batches[0]))
