@@ -33,7 +33,12 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from normscope import DeadDirectionMonitor, DeadDirectionReport, DeadDirectionTracker
+from normscope import (
+    DeadDirectionMonitor,
+    DeadDirectionReport,
+    DeadDirectionTracker,
+    SignMagnitudeMonitor,
+)
 from normscope.alerts import CallableRule
 from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
 
@@ -340,7 +345,56 @@ def fit_fail(out: Path) -> dict[str, Any]:
     return results
 
 
-FITS = {"exact": fit_exact, "stop": fit_stop, "fsdp": fit_fsdp, "fail": fit_fail}
+SM_EVERY = 3  # windows 0, 2, 5: the last read's outlier moments are step 5's rows
+SM_STEPS = 6
+
+
+class FailAttachOnRank1(LitTiny):
+    """Rank 1's SignMagnitudeMonitor fails at the first batch of step 3 (before any collective)."""
+
+    def __init__(self, monitor: SignMagnitudeMonitor) -> None:
+        super().__init__()
+        self.monitor = monitor
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 2:
+
+            def broken() -> None:
+                raise RuntimeError("injected on rank 1: attach")
+
+            self.monitor.tracker.attached = False
+            self.monitor.tracker.attach = broken
+
+
+def fit_sm(out: Path) -> dict[str, Any]:
+    """SignMagnitudeMonitor under DDP: outlier moments summed over the ranks; then a failure on
+    rank 1 alone."""
+    L.seed_everything(0, verbose=False)
+    monitor = SignMagnitudeMonitor(every_n_steps=SM_EVERY, verbose=False)
+    module = LitDict(lr=0.0)
+    t = trainer(monitor, SM_STEPS, [CSVLogger(out, name="sm")], use_distributed_sampler=False)
+    t.fit(module)
+    if t.is_global_zero:
+        torch.save(module.state_dict(), out / "sm_weights.pt")
+    result: dict[str, Any] = {
+        "reads": monitor.reads,
+        "last": {k: _num(v) for k, v in monitor.last_report.as_dict().items()},
+        "failure": monitor.failure,
+    }
+    L.seed_everything(0, verbose=False)
+    failing = SignMagnitudeMonitor(every_n_steps=2, verbose=False)
+    t = trainer(failing, FAIL_STEPS, [CSVLogger(out, name="sm_fail")])
+    t.fit(FailAttachOnRank1(failing), train_dataloaders=token_loader(n=512))
+    result["fail"] = {
+        "global_step": t.global_step,
+        "reads": failing.reads,
+        "disabled": failing.disabled,
+        "failure": failing.failure,
+    }
+    return result
+
+
+FITS = {"exact": fit_exact, "stop": fit_stop, "fsdp": fit_fsdp, "fail": fit_fail, "sm": fit_sm}
 
 
 def main(out: Path, names: list[str]) -> None:

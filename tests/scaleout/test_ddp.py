@@ -139,3 +139,46 @@ def test_a_failure_on_one_rank_stalls_no_rank(distributed_run, what):
     # were set before as_dict); nothing after.
     step = 4 if what == "as_dict" else 2
     assert r0["last_read_step"] == r1["last_read_step"] == step
+
+
+def test_sign_magnitude_outlier_reads_cover_every_rank(distributed_run):
+    """SignMagnitudeMonitor under DDP: each layer's outlier moments are summed over the ranks
+    (one all-reduce after the window's handshake), so both ranks log the same outlier reads,
+    equal to one process fed both ranks' rows of the window (step 5) with the same weights
+    (float64 sums in another order: 1e-10). Weights are replicated: their reads match too."""
+    from normscope import SignMagnitudeTracker
+    from tests.scaleout.distributed_fits import SM_STEPS
+
+    r0, r1 = (distributed_run["results"]["sm", rank] for rank in (0, 1))
+    assert r0["failure"] is None and r1["failure"] is None
+    assert r0["reads"] == r1["reads"] == 3
+    got0, got1 = _floats(r0["last"]), _floats(r1["last"])
+    module = LitDict(lr=0.0)
+    module.load_state_dict(torch.load(distributed_run["out"] / "sm_weights.pt"))
+    module.train()
+    tracker = SignMagnitudeTracker(module)
+    tracker.attach()
+    tracker.gate.open = True
+    with torch.no_grad():
+        for batch in shard_batches(SM_STEPS - 1):
+            module(batch["input_ids"])
+    tracker.gate.open = False
+    expected = tracker.read(step=SM_STEPS).as_dict()
+    leverage = [k for k in expected if k.endswith("leverage")]
+    assert len(leverage) >= 4
+    for key in leverage:
+        assert math.isfinite(expected[key]), key
+        assert got0[key] == pytest.approx(expected[key], rel=1e-10), key
+        assert got1[key] == got0[key], key
+    for key in [k for k in expected if k.endswith("/sign_alignment")]:
+        assert got0[key] == pytest.approx(expected[key], rel=1e-12), key
+
+
+def test_sign_magnitude_failure_on_one_rank_stalls_no_rank(distributed_run):
+    from tests.scaleout.distributed_fits import FAIL_STEPS
+
+    f0, f1 = (distributed_run["results"]["sm", rank]["fail"] for rank in (0, 1))
+    assert f0["global_step"] == f1["global_step"] == FAIL_STEPS
+    assert f1["disabled"] and "injected on rank 1: attach" in f1["failure"]
+    assert f0["disabled"] and "another rank failed" in f0["failure"]
+    assert f0["reads"] == f1["reads"] == 2  # windows 0 and 1; none from window 3 on

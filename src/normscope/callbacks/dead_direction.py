@@ -154,10 +154,6 @@ class DeadDirectionMonitor(MonitorCallback):
         self.last_report: DeadDirectionReport | None = None
         self.alerts_fired: list[Alert] = []
         self._baselines: dict[str, float] = {}
-        # Ranks in step (see _handshake): a failed monitor owes its peers one handshake.
-        self._owes_handshake = True
-        self._handshake_step = -2
-        self._stop_decided_step = -2
 
     # ------------------------------------------------------------ lifecycle
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -225,18 +221,10 @@ class DeadDirectionMonitor(MonitorCallback):
         completed = self._step_at_batch_start  # the optimiser step these micro-batches belong to
         if trainer.global_step == completed or not self._in_window(completed):
             return  # mid accumulation, or not a sampled step
-        have = tracker.min_rows()
-        if trainer.world_size > 1:
-            have, peer_failed = self._handshake(trainer, have, failed=False)
-            if peer_failed:
-                self._owes_handshake = False
-                self._disable(
-                    "the monitor on another rank failed (its warning says why); every rank "
-                    "stops reading at the same step so that their collectives stay in step",
-                    warn=trainer.is_global_zero,
-                )
-                return
-        if not self._enough_rows(float(have)):
+        have, peers_failed = self._peers_failed(trainer, tracker.min_rows())
+        if peers_failed:
+            return
+        if not self._enough_rows(have):
             self._deferred += 1
             return  # keep the window open one more optimiser step
         self._read(trainer)
@@ -265,49 +253,6 @@ class DeadDirectionMonitor(MonitorCallback):
         need = 2 * max((t.dim for t in self.tracker.taps.taps.values()), default=1)
         # Defer at most every_n_steps optimiser steps, then read whatever there is (NaN + reason).
         return have >= need or self._deferred >= self.every_n_steps
-
-    # ------------------------------------------------------------ ranks in step
-    def _handshake(
-        self, trainer: Trainer, rows: torch.Tensor, *, failed: bool
-    ) -> tuple[float, bool]:
-        """The first collective of every window's end, on every rank: the global row count
-        (for the deferral decision) and whether any rank's monitor has failed. A rank whose
-        monitor failed still makes this one call (:meth:`_keep_in_step`); then every rank stops
-        reading together, and no rank waits for a collective that will not come."""
-        device = trainer.strategy.root_device
-        flags = torch.stack(
-            [
-                rows.to(device=device, dtype=torch.float64).reshape(()),
-                torch.tensor(float(failed), dtype=torch.float64, device=device),
-            ]
-        )
-        total, failures = trainer.strategy.reduce(flags, reduce_op="sum").tolist()
-        self._handshake_step = self._step_at_batch_start
-        return total, failures > 0
-
-    def _keep_in_step(self, hook: str, args: tuple[Any, ...]) -> None:
-        if not self._owes_handshake or not args:
-            return
-        trainer = args[0]
-        try:
-            if trainer.world_size <= 1:
-                self._owes_handshake = False
-            elif hook == "on_train_batch_start":
-                self._step_at_batch_start = trainer.global_step
-            elif hook == "on_train_batch_end":
-                completed = self._step_at_batch_start
-                if trainer.global_step == completed or not self._in_window(completed):
-                    return
-                if self._handshake_step != completed:
-                    self._owes_handshake = False
-                    self._handshake(trainer, torch.zeros((), dtype=torch.float64), failed=True)
-                elif self.stop_on_alert and self._stop_decided_step != completed:
-                    # Failed after this window's handshake: the peers still take the read's
-                    # stop decision; vote "no" in it, and owe them the next handshake.
-                    self._stop_decided_step = completed
-                    trainer.strategy.reduce_boolean_decision(False, all=False)
-        except Exception:  # noqa: BLE001 - nothing more a failed monitor can do
-            self._owes_handshake = False
 
     def _attach(self, pl_module: LightningModule, batch: Any) -> None:
         assert self.tracker is not None

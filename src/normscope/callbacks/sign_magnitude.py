@@ -174,6 +174,9 @@ class SignMagnitudeMonitor(MonitorCallback):
         completed = self._step_at_batch_start
         if trainer.global_step == completed or not self._in_window(completed):
             return
+        _, peers_failed = self._peers_failed(trainer, torch.zeros((), dtype=torch.float64))
+        if peers_failed:
+            return
         self._read(trainer, pl_module)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -195,6 +198,10 @@ class SignMagnitudeMonitor(MonitorCallback):
 
     def _read(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.tracker is not None
+        if trainer.world_size > 1:
+            # The read's one collective, right after the handshake: nothing that could fail on
+            # one rank only runs between the two.
+            self.tracker.reduce_moments()
         step = trainer.global_step
         forward = self.example_forward or call_model
         probe = None

@@ -272,10 +272,36 @@ class SignMagnitudeTracker:
         for moment in self._moments.values():
             moment.reset()
 
+    def reduce_moments(self, group: Any = None) -> None:
+        """Sum ``[n, sum x_j^2]`` of every layer over the processes, in one all-reduce (the
+        moments are uncentred sums: the exact merge is their sum). A no-op on one process."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return
+        moments = [self._moments[name] for name in sorted(self._moments)]  # same order everywhere
+        if not moments:
+            return
+        flat = torch.cat([torch.cat([m.n.reshape(1), m.sum_sq]) for m in moments])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        at = 0
+        for m in moments:
+            m.n.copy_(flat[at])
+            m.sum_sq.copy_(flat[at + 1 : at + 1 + m.dim])
+            at += 1 + m.dim
+
     # ------------------------------------------------------------------ reads
-    def read(self, step: int = 0, *, probe: Callable[[], Any] | None = None) -> SignMagnitudeReport:
+    def read(
+        self, step: int = 0, *, probe: Callable[[], Any] | None = None, reduce: bool = False
+    ) -> SignMagnitudeReport:
         """Parameter and outlier reads of every monitored Linear; probe reads when ``probe`` (a
-        zero-argument forward on the probe batch) is given. Starts a new outlier window."""
+        zero-argument forward on the probe batch) is given. Starts a new outlier window.
+
+        ``reduce``: first sum every layer's outlier moments over the processes of the default
+        group, in one all-reduce (every rank must call it at the same step), so that the
+        outlier reads cover every rank's rows; weights are replicated, probes local."""
+        if reduce:
+            self.reduce_moments()
         weights: dict[str, WeightRead] = {}
         outliers: dict[str, OutlierRead] = {}
         for name in self.layers:
