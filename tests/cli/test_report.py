@@ -188,3 +188,22 @@ def test_kernel_loss_is_re_evaluated_on_layernorms_only() -> None:
     alerts = reevaluate_alerts(reads, ["ln", "rms"], [])
     assert [(a["step"], a["title"]) for a in alerts] == [(2.0, "normscope: layernorm_kernel_lost")]
     assert "at ln at step 2" in alerts[0]["text"]
+
+
+def test_logged_depth_orders_points_that_path_order_would_get_wrong() -> None:
+    """OPT-style names sort ``final_layer_norm`` before ``self_attn_layer_norm``; the monitor's
+    logged ``dd/<point>/depth`` gives the forward order instead (and a log without it, or with
+    a depth missing, falls back to the inferred order)."""
+    names = ["decoder.layers.0.self_attn_layer_norm", "decoder.layers.0.final_layer_norm", "e"]
+    reads = {
+        1.0: {
+            "dd/e/sigma_min_ratio": 1.0,
+            "dd/e/sigma_min_step": 1.0,
+            "dd/e/depth": 0.0,
+            "dd/decoder.layers.0.self_attn_layer_norm/depth": 1.0,
+            "dd/decoder.layers.0.final_layer_norm/depth": 2.0,
+        }
+    }
+    assert depth_order(names, reads) == ["e", names[0], names[1]]
+    del reads[1.0]["dd/decoder.layers.0.final_layer_norm/depth"]
+    assert depth_order(names, reads) == ["e", names[1], names[0]]  # inferred: path order

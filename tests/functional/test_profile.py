@@ -123,9 +123,11 @@ def test_a_cancelling_branch_is_found_where_it_is():
     flat = prof.as_dict()
     assert flat["sigma_min_ratio_min"] == prof.sigma_min_ratio_min
     assert flat[f"{names[cancel]}/sigma_min_step"] == steps[cancel]
-    assert len(flat) == 3 * len(names) + 1
+    assert len(flat) == 4 * len(names) + 1
+    assert [flat[f"{n}/depth"] for n in names] == list(range(len(names)))  # forward order
     assert {k.rsplit("/", 1)[-1] for k in flat} == {
         "sigma_min",
+        "depth",
         "sigma_min_ratio",
         "sigma_min_step",
         "sigma_min_ratio_min",

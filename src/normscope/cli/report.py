@@ -60,7 +60,8 @@ def _natural(path: str) -> tuple[Any, ...]:
 
 
 def depth_order(points: Sequence[str], reads: Mapping[float, Mapping[str, float]]) -> list[str]:
-    """Residual points in (inferred) forward order: ``p_0`` first -- the point whose logged
+    """Residual points in forward order: by their logged ``depth`` when every point has one
+    (logs of normscope >= this version), else inferred: ``p_0`` first -- the point whose logged
     ratio and step are 1 at every read --, then natural order of the module paths.
 
     Example::
@@ -79,6 +80,13 @@ def depth_order(points: Sequence[str], reads: Mapping[float, Mapping[str, float]
         values = [v for v in values if v[0] is not None and math.isfinite(v[0])]
         return bool(values) and all(a == 1.0 and b in (1.0, None) for a, b in values)
 
+    logged = {}
+    for p in points:  # the monitor logs each point's depth (dd/<point>/depth)
+        depths = {r[f"dd/{p}/depth"] for r in reads.values() if f"dd/{p}/depth" in r}
+        if len(depths) == 1:
+            logged[p] = depths.pop()
+    if points and len(logged) == len(points) and len(set(logged.values())) == len(points):
+        return sorted(points, key=logged.__getitem__)
     firsts = [p for p in points if is_first(p)]
     first = sorted(firsts, key=_natural)[:1]
     return first + sorted((p for p in points if p not in first), key=_natural)
@@ -204,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
             "(SigmaMinRatioRule(1.0, tolerance 0.2), KernelLossRule(1e-4)) were re-evaluated "
             "over the logged reads"
         )
-    if points:
+    if points and not all(any(f"dd/{p}/depth" in r for r in reads.values()) for p in points):
         notes.append("depth order of the residual points inferred from their module paths")
     alert_steps = sorted(
         {a["step"] for a in alerts if isinstance(a["step"], float) and math.isfinite(a["step"])}

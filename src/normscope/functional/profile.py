@@ -109,12 +109,14 @@ class SigmaMinProfile:
 
     def as_dict(self) -> dict[str, float]:
         """Flat: ``<point>/sigma_min``, ``<point>/sigma_min_ratio``, ``<point>/sigma_min_step``
-        for every point, and ``sigma_min_ratio_min``."""
+        and ``<point>/depth`` (its index ``k``, so that a log alone gives the forward order) for
+        every point, and ``sigma_min_ratio_min``."""
         out: dict[str, float] = {}
         for p in self.points:
             out[f"{p.name}/sigma_min"] = p.sigma_min
             out[f"{p.name}/sigma_min_ratio"] = p.sigma_min_ratio
             out[f"{p.name}/sigma_min_step"] = p.sigma_min_step
+            out[f"{p.name}/depth"] = float(p.depth)
         out["sigma_min_ratio_min"] = self.sigma_min_ratio_min
         return out
 
