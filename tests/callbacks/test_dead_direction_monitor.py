@@ -272,3 +272,37 @@ def test_failed_discovery_forward_keeps_the_norm_reads(tmp_path):
     assert float(last["dd/model.ln_f/gamma_alignment"]) >= 0.9999
     assert "dd/sigma_min_ratio_min" not in last or last["dd/sigma_min_ratio_min"] == ""
     assert not monitor.disabled
+
+
+@pytest.mark.parametrize("monitor_cls", ["dd", "sm"])
+def test_a_read_that_costs_more_than_overhead_warn_says_which_cadence_would_not(
+    tmp_path, monitor_cls
+):
+    """The cost guard: after 20 plain steps, a read costing more than ``overhead_warn`` of
+    training time at the cadence warns once with the every_n_steps that would not. The
+    thresholds sit far from any real cost (1e-9: every read is over; 1e9: none is), so the test
+    does not depend on this machine's speed."""
+    import re
+
+    from normscope import SignMagnitudeMonitor
+
+    cls = DeadDirectionMonitor if monitor_cls == "dd" else SignMagnitudeMonitor
+    torch.manual_seed(0)
+    noisy = cls(every_n_steps=3, overhead_warn=1e-9, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "noisy", LitTiny(), noisy, steps=40)
+    cost = [
+        str(w.message) for w in caught if "of training time at every_n_steps=3" in str(w.message)
+    ]
+    assert len(cost) == 1, cost  # once, not once per read
+    suggested = int(re.search(r"every_n_steps=(\d+) keeps it under", cost[0]).group(1))
+    assert suggested > 3
+    assert noisy._plain_steps >= 20 and not noisy.disabled
+    quiet = cls(every_n_steps=3, overhead_warn=1e9, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "quiet", LitTiny(), quiet, steps=40)
+    assert not [w for w in caught if "of training time" in str(w.message)]
+    with pytest.raises(MisconfigurationException, match="overhead_warn"):
+        cls(overhead_warn=0)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -128,7 +130,10 @@ class MonitorCallback(Callback):
             elif name in _STATE_HOOKS:
                 setattr(cls, name, _guard_state(fn))
 
-    def __init__(self, every_n_steps: int) -> None:
+    #: plain (not sampled) steps timed before a read's cost is judged against them
+    min_timed_steps: int = 20
+
+    def __init__(self, every_n_steps: int, overhead_warn: float | None = 0.05) -> None:
         if (
             not isinstance(every_n_steps, int)
             or isinstance(every_n_steps, bool)
@@ -137,7 +142,19 @@ class MonitorCallback(Callback):
             raise MisconfigurationException(
                 f"{type(self).__name__}: every_n_steps must be an int >= 1, got {every_n_steps!r}"
             )
+        if overhead_warn is not None and not (
+            isinstance(overhead_warn, (int, float)) and overhead_warn > 0
+        ):
+            raise MisconfigurationException(
+                f"{type(self).__name__}: overhead_warn must be None or a fraction > 0, got "
+                f"{overhead_warn!r}"
+            )
         self.every_n_steps = every_n_steps
+        self.overhead_warn = overhead_warn
+        self._clock_last: float | None = None
+        self._plain_seconds = 0.0
+        self._plain_steps = 0
+        self._read_seconds: float | None = None
         self.disabled = False
         self.failure: str | None = None
         self._deferred = 0
@@ -150,6 +167,36 @@ class MonitorCallback(Callback):
         self._stop_decided_step = -2
         self._skipped_loggers: set[int] = set()
         self._failed_rules: set[int] = set()
+
+    # ------------------------------------------------------------ cost guard
+    def _clock(self, *, plain: bool) -> None:
+        """At the end of every optimiser step: time the plain ones (a wall clock, no device
+        sync: over many steps it follows the device's pace)."""
+        now = time.perf_counter()
+        if plain and self._clock_last is not None:
+            self._plain_seconds += now - self._clock_last
+            self._plain_steps += 1
+        self._clock_last = now
+
+    def _judge_cost(self, read_seconds: float) -> None:
+        """Warn once when reads cost more than ``overhead_warn`` of training time at this
+        cadence, with the ``every_n_steps`` that would not (rank zero)."""
+        self._read_seconds = read_seconds
+        if self.overhead_warn is None or self._plain_steps < self.min_timed_steps:
+            return
+        step = self._plain_seconds / self._plain_steps
+        share = read_seconds / (self.every_n_steps * step) if step > 0 else math.inf
+        if share <= self.overhead_warn:
+            return
+        suggest = math.ceil(read_seconds / (self.overhead_warn * step)) if step > 0 else None
+        self._warn_once(
+            "cost",
+            f"normscope: a {type(self).__name__} read takes {read_seconds:.3g} s against a mean "
+            f"training step of {step:.3g} s: about {share:.0%} of training time at "
+            f"every_n_steps={self.every_n_steps}. every_n_steps={suggest} keeps it under "
+            f"{self.overhead_warn:.0%} (or read fewer layers: layers=[...], max_memory=...); "
+            "overhead_warn=None turns this warning off",
+        )
 
     def _in_window(self, step: int) -> bool:
         return (

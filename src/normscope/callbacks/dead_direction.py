@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,6 +78,9 @@ class DeadDirectionMonitor(MonitorCallback):
             default: a dict batch as keyword arguments, a tuple batch by its first element.
         verbose: print one line per read and a summary at the end of the fit (rank zero).
         seed: seed of the row subsampling.
+        overhead_warn: warn once when a read costs more than this fraction of training time
+            at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
+            naming the cadence that would not; ``None``: never.
 
     Raises:
         MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
@@ -114,8 +118,9 @@ class DeadDirectionMonitor(MonitorCallback):
         example_forward: Callable[[LightningModule, Any], Any] | None = None,
         verbose: bool = True,
         seed: int = 0,
+        overhead_warn: float | None = 0.05,
     ) -> None:
-        super().__init__(every_n_steps)
+        super().__init__(every_n_steps, overhead_warn)
         if max_rows_per_step is not None and max_rows_per_step < 1:
             raise MisconfigurationException(
                 f"DeadDirectionMonitor: max_rows_per_step must be None or >= 1, got {max_rows_per_step}"
@@ -219,15 +224,22 @@ class DeadDirectionMonitor(MonitorCallback):
         tracker.gate.open = False
         tracker.gate.mask = None
         completed = self._step_at_batch_start  # the optimiser step these micro-batches belong to
-        if trainer.global_step == completed or not self._in_window(completed):
-            return  # mid accumulation, or not a sampled step
+        if trainer.global_step == completed:
+            return  # mid accumulation
+        if not self._in_window(completed):
+            self._clock(plain=True)
+            return  # not a sampled step
         have, peers_failed = self._peers_failed(trainer, tracker.min_rows())
         if peers_failed:
             return
         if not self._enough_rows(have):
             self._deferred += 1
+            self._clock(plain=False)
             return  # keep the window open one more optimiser step
+        started = time.perf_counter()
         self._read(trainer)
+        self._judge_cost(time.perf_counter() - started)
+        self._clock(plain=False)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.tracker is not None:

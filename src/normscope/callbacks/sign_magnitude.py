@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,6 +67,9 @@ class SignMagnitudeMonitor(MonitorCallback):
             ``DeadDirectionMonitor``.
         verbose: print one line per read (rank zero).
         seed: seed of the perturbations.
+        overhead_warn: warn once when a read costs more than this fraction of training time
+            at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
+            naming the cadence that would not; ``None``: never.
 
     Example::
 
@@ -89,8 +93,9 @@ class SignMagnitudeMonitor(MonitorCallback):
         example_forward: Callable[[LightningModule, Any], Any] | None = None,
         verbose: bool = True,
         seed: int = 0,
+        overhead_warn: float | None = 0.05,
     ) -> None:
-        super().__init__(every_n_steps)
+        super().__init__(every_n_steps, overhead_warn)
         if not 0.0 < flip_rate < 1.0:
             raise MisconfigurationException(
                 f"SignMagnitudeMonitor: flip_rate must be in (0, 1), got {flip_rate}"
@@ -172,12 +177,18 @@ class SignMagnitudeMonitor(MonitorCallback):
             return
         self.tracker.gate.open = False
         completed = self._step_at_batch_start
-        if trainer.global_step == completed or not self._in_window(completed):
+        if trainer.global_step == completed:
+            return
+        if not self._in_window(completed):
+            self._clock(plain=True)
             return
         _, peers_failed = self._peers_failed(trainer, torch.zeros((), dtype=torch.float64))
         if peers_failed:
             return
+        started = time.perf_counter()
         self._read(trainer, pl_module)
+        self._judge_cost(time.perf_counter() - started)
+        self._clock(plain=False)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.tracker is not None:
