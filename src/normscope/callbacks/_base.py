@@ -282,9 +282,9 @@ class MonitorCallback(Callback):
     ) -> tuple[float, bool]:
         """The first collective of every window's end, on every rank: the global sum of
         ``rows`` (the dead-direction monitor's deferral decision) and whether any rank's monitor
-        has failed. A rank whose
-        monitor failed still makes this one call (:meth:`_keep_in_step`); then every rank stops
-        reading together, and no rank waits for a collective that will not come."""
+        has failed. A rank whose monitor failed still makes this one call
+        (:meth:`_keep_in_step`); then every rank stops reading together, and no rank waits for
+        a collective that will not come."""
         device = trainer.strategy.root_device
         flags = torch.stack(
             [
