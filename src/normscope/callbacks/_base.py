@@ -35,6 +35,7 @@ from lightning.pytorch.strategies import (
     Strategy,
 )
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 __all__ = ["MonitorCallback", "check_strategy", "compiled", "eager_forwards", "fail_open"]
@@ -167,6 +168,28 @@ class MonitorCallback(Callback):
         self._stop_decided_step = -2
         self._skipped_loggers: set[int] = set()
         self._failed_rules: set[int] = set()
+
+    # ------------------------------------------------------------ lifecycle
+    # Shared by every monitor; a subclass gives ``tracker`` (None until built),
+    # ``_build_tracker(pl_module)`` and, optionally, ``_check_setup(trainer)``. Defined here, so
+    # not wrapped by __init_subclass__: guarded explicitly, configuration errors stop the fit.
+    @functools.partial(fail_open, reraise=(MisconfigurationException,))
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or self.tracker is not None:
+            return
+        self._check_setup(trainer)
+        if is_overridden("configure_model", pl_module):
+            return  # its layers may be built (or sharded) there, after setup: see on_fit_start
+        self._build_tracker(pl_module)
+
+    @functools.partial(fail_open, reraise=(MisconfigurationException,))
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        if self.tracker is None:
+            self._build_tracker(pl_module)
+
+    def _check_setup(self, trainer: Trainer) -> None:
+        """Refuse, at setup, what the monitor cannot read (``MisconfigurationException``)."""
+        return None
 
     # ------------------------------------------------------------ cost guard
     def _clock(self, *, plain: bool) -> None:

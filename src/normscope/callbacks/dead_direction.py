@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from normscope.alerts import Alert, AlertRule, KernelLossRule, SigmaMinRatioRule, build_sinks
@@ -161,9 +160,7 @@ class DeadDirectionMonitor(MonitorCallback):
         self._baselines: dict[str, float] = {}
 
     # ------------------------------------------------------------ lifecycle
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit" or self.tracker is not None:
-            return
+    def _check_setup(self, trainer: Trainer) -> None:
         check_strategy(trainer.strategy, "DeadDirectionMonitor")
         if str(trainer.precision) in _HALF_TRUE and self.null_tol < 1e-6:
             rank_zero_warn(
@@ -172,13 +169,6 @@ class DeadDirectionMonitor(MonitorCallback):
                 f"(kernel_residual about 1e-6 in bf16, measured), above null_tol="
                 f"{self.null_tol:g}: null_dim will read 0. Pass null_tol=1e-4 to count it."
             )
-        if is_overridden("configure_model", pl_module):
-            return  # its layers may be built (or sharded) there, after setup: see on_fit_start
-        self._build_tracker(pl_module)
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.tracker is None:
-            self._build_tracker(pl_module)
 
     def _build_tracker(self, pl_module: LightningModule) -> None:
         try:

@@ -11,7 +11,6 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from normscope.alerts import Alert, AlertRule, OutlierRule, SignChurnSpikeRule, build_sinks
@@ -127,17 +126,8 @@ class SignMagnitudeMonitor(MonitorCallback):
         self.history: list[tuple[int, dict[str, float]]] = []  # run-level sm/<metric> per read
         self._pending_state: dict[str, Any] | None = None
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit" or self.tracker is not None:
-            return
+    def _check_setup(self, trainer: Trainer) -> None:
         check_strategy(trainer.strategy, "SignMagnitudeMonitor", fsdp2=False)
-        if is_overridden("configure_model", pl_module):
-            return  # its layers may be built (or sharded) there, after setup: see on_fit_start
-        self._build_tracker(pl_module)
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.tracker is None:
-            self._build_tracker(pl_module)
 
     def _build_tracker(self, pl_module: LightningModule) -> None:
         try:
