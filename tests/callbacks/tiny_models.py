@@ -121,3 +121,18 @@ class NoNormModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def cpu_trainer(max_steps: int, callbacks: list, **kw) -> L.Trainer:
+    """A quiet one-process CPU ``Trainer`` for the tests: no progress bar, model summary,
+    checkpointing or logger unless ``kw`` says otherwise."""
+    settings = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    settings.update(kw)
+    return L.Trainer(max_steps=max_steps, callbacks=callbacks, **settings)

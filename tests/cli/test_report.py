@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from normscope import DeadDirectionMonitor
 from normscope.cli.report import depth_order, reevaluate_alerts
-from tests.callbacks.tiny_models import LitTiny, token_loader
+from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
 from tests.cli.support import load_json, png_size, run_cli
 
 torch.set_num_threads(1)
@@ -43,16 +43,7 @@ def fit(root: Path, module: L.LightningModule, steps: int, wandb: bool) -> DeadD
     loggers: list = [CSVLogger(root, name="csv")]
     if wandb:
         loggers.append(WandbLogger(project="normscope-cli-test", save_dir=str(root)))
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        logger=loggers,
-        callbacks=[monitor],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = cpu_trainer(steps, [monitor], logger=loggers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the alert's own UserWarning, Lightning's hints
         trainer.fit(module, train_dataloaders=token_loader())

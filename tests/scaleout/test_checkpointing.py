@@ -3,14 +3,13 @@ recomputes during backward are not folded again (``use_reentrant`` False and Tru
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule
-from tests.callbacks.tiny_models import LitTiny, token_loader
+from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
 
 ROWS_PER_STEP = 16 * 16  # one batch of 16 sequences of 16 tokens
 
@@ -48,16 +47,7 @@ def fit(use_reentrant: bool | None) -> tuple[dict[int, dict[str, float]], LitChe
         verbose=False,
     )
     module = LitCheckpointed(use_reentrant)
-    trainer = L.Trainer(
-        max_steps=4,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        callbacks=[monitor],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = cpu_trainer(4, [monitor])
     trainer.fit(module, train_dataloaders=token_loader())
     assert monitor.failure is None and not monitor.disabled
     return reads, module

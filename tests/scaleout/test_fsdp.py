@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.callbacks._base import check_strategy
+from tests.callbacks.tiny_models import cpu_trainer
 from tests.scaleout.distributed_fits import LitDict, LitSharded, single_process_reads
 
 
@@ -139,16 +140,7 @@ def test_layers_built_in_configure_model_are_found_at_fit_start(tmp_path):
                 self.model = TinyLM()
 
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
-    trainer = L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        callbacks=[monitor],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = cpu_trainer(2, [monitor])
     from tests.scaleout.distributed_fits import DictTokens
 
     trainer.fit(Built(), train_dataloaders=torch.utils.data.DataLoader(DictTokens(), batch_size=16))
