@@ -430,9 +430,8 @@ def table_read(rows: list[dict[str, Any]]) -> str:
 def _fit(
     dev: torch.device, sz: Sizes, monitors: list[Any], steps: int, every: int, clock: Clock
 ) -> dict[str, Any]:
-    import lightning as L
     from nanogpt import GPTConfig, LitGPT, make_dataloaders
-    from overhead import StepTimer, summarise
+    from overhead import StepTimer, summarise, timed_trainer
 
     n_layer, width, block = sz.train_model
     torch.manual_seed(0)
@@ -441,21 +440,15 @@ def _fit(
     train, _ = make_dataloaders(block, batch_size=sz.train_batch, seed=0, max_bytes=sz.max_bytes)
     timer = StepTimer()
     left = max(1.0, clock.part_left())
-    trainer = L.Trainer(
-        max_steps=steps,
+    trainer = timed_trainer(
+        timer,
+        monitors,
+        steps,
         max_time=datetime.timedelta(seconds=left),
         accelerator="gpu" if dev.type == "cuda" else "cpu",
         devices=1,
         precision=sz.precision,
-        logger=False,
-        callbacks=[timer.start, *monitors, timer],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
     )
-    timer.check_order(trainer, monitors)
     base = reset_peak(dev)
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=train)

@@ -30,6 +30,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -116,6 +117,24 @@ class WandbWatch(L.Callback):
         self.run.finish()
 
 
+def timed_trainer(timer: StepTimer, monitors: list, steps: int, **kw: Any) -> L.Trainer:
+    """A quiet Trainer whose callbacks are ``timer.start``, the monitors, then ``timer``, so
+    that a sampled step's time includes its read (the order is checked)."""
+    settings = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    settings.update(kw)
+    trainer = L.Trainer(max_steps=steps, callbacks=[timer.start, *monitors, timer], **settings)
+    timer.check_order(trainer, monitors)
+    return trainer
+
+
 def run(config: str, every: int, steps: int, width: int, batch_size: int) -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig(n_embd=width)
@@ -128,18 +147,7 @@ def run(config: str, every: int, steps: int, width: int, batch_size: int) -> dic
         inner.append(DeadDirectionMonitor(every_n_steps=every, verbose=False, alerts=()))
     elif config == "watch":
         inner.append(WandbWatch(every, tmp))
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        callbacks=[timer.start, *inner, timer],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    timer.check_order(trainer, inner)
+    trainer = timed_trainer(timer, inner, steps)
     trainer.fit(module, train_dataloaders=train)
     return summarise(timer, every, skip=5)
 
