@@ -52,6 +52,8 @@ def fail_open(
 
     @functools.wraps(method)
     def guarded(self: MonitorCallback, *args: Any, **kwargs: Any) -> Any:
+        if args and type(args[0]).__name__ == "Fabric" and _is_fabric(args[0]):
+            return _via_fabric(self, method.__name__, args, kwargs)  # Fabric(callbacks=[...])
         if self.disabled:
             self._keep_in_step(method.__name__, args)
             return None
@@ -66,6 +68,27 @@ def fail_open(
 
     guarded._normscope_guarded = True  # type: ignore[attr-defined]
     return guarded
+
+
+def _is_fabric(obj: Any) -> bool:
+    from normscope.integrations.fabric import is_fabric
+
+    return is_fabric(obj)
+
+
+def _via_fabric(monitor: MonitorCallback, hook: str, args: tuple, kwargs: dict) -> Any:
+    """A hook called by ``fabric.call`` with the ``Fabric`` as the trainer: routed through
+    :mod:`normscope.integrations.fabric` (a loop view of the Fabric), fail-open like any hook."""
+    from normscope.integrations.fabric import fabric_call
+
+    try:
+        return fabric_call(monitor, hook, args, kwargs)
+    except MisconfigurationException:
+        raise
+    except Exception as err:  # noqa: BLE001 - fail-open is the contract
+        if not monitor.disabled:
+            monitor._disable(f"{hook} (Fabric): {type(err).__name__}: {err}")
+        return None
 
 
 def _guard_state(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -207,7 +207,7 @@ class SignMagnitudeMonitor(MonitorCallback):
         forward = self.example_forward or call_model
         probe = None
         if self.probe_batch is not None and self.tracker.probe_layers:
-            batch = move_data_to_device(self.probe_batch, pl_module.device)
+            batch = move_data_to_device(self.probe_batch, _device(pl_module))
 
             def probe() -> Any:
                 # The probe's forwards (perturbed weights, temporary hooks at the norm inputs)
@@ -244,6 +244,14 @@ class SignMagnitudeMonitor(MonitorCallback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.every_n_steps, layers=str(self.layers))
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    """A LightningModule's device; a plain module's (Fabric, plain loops): its parameters'."""
+    device = getattr(module, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(module.parameters()).device
 
 
 def _read_line(step: int, metrics: dict[str, float], fired: Sequence[Alert]) -> str:
