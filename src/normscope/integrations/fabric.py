@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from normscope.integrations.loop import LoopView, Watch
 
@@ -99,7 +100,7 @@ class _OptimizerSteps:
         self._params = {id(p) for p in model.parameters()}
         self._ours: dict[int, bool] = {}
         self.count = 0
-        self._handle = torch.optim.optimizer.register_optimizer_step_post_hook(self._hook)
+        self._handle = register_optimizer_step_post_hook(self._hook)
 
     def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         ours = self._ours.get(id(optimizer))
