@@ -246,6 +246,7 @@ def run_hf(
     # The model's own mean loss, as the other loops take it (HF would otherwise divide the summed
     # loss by its count of unshifted labels, a different scale: different SGD steps)
     trainer.model_accepts_loss_kwargs = False
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # no console rows
     trainer.train()
     reads = {
         int(row["step"]): family_only(row, family)
