@@ -65,6 +65,8 @@ class RunLog:
             (W&B runs only; CSV and TensorBoard have no alert records).
         skipped: the corrupt stretches of a W&B transaction file that were skipped
             (:func:`wandb_records`); empty for an intact file.
+        summary: a W&B run's summary as its summary records left it (numbers, strings; media
+            and nested values as W&B's JSON decodes them); empty for CSV and TensorBoard.
     """
 
     source: str
@@ -72,6 +74,7 @@ class RunLog:
     history: list[dict[str, float]] = field(default_factory=list)
     alerts: list[dict[str, object]] = field(default_factory=list)
     skipped: list[SkippedBytes] = field(default_factory=list)
+    summary: dict[str, object] = field(default_factory=dict)
 
     def keys(self) -> list[str]:
         """Every metric key logged at least once, sorted (``"step"`` excluded)."""
@@ -300,6 +303,7 @@ def read_wandb_run(path: str | Path) -> RunLog:
     history: list[dict[str, float]] = []
     alerts: list[dict[str, object]] = []
     skipped: list[SkippedBytes] = []
+    summary: dict[str, object] = {}
     for record in wandb_records(file, skipped=skipped):
         kind = record.WhichOneof("record_type")
         if kind == "history":
@@ -314,6 +318,15 @@ def read_wandb_run(path: str | Path) -> RunLog:
                 step = float(record.history.step.num)
             row["step"] = step
             history.append(row)
+        elif kind == "summary":
+            for item in record.summary.update:
+                key = item.key or "/".join(item.nested_key)
+                try:
+                    summary[key] = json.loads(item.value_json)
+                except json.JSONDecodeError:
+                    continue
+            for item in record.summary.remove:
+                summary.pop(item.key or "/".join(item.nested_key), None)
         elif kind == "alert":
             named = _AT_STEP.search(record.alert.text)
             if named:
@@ -328,7 +341,7 @@ def read_wandb_run(path: str | Path) -> RunLog:
                     "level": record.alert.level,
                 }
             )
-    return RunLog("wandb", file, history, alerts, skipped)
+    return RunLog("wandb", file, history, alerts, skipped, summary)
 
 
 # ---------------------------------------------------------------------------------- TensorBoard
