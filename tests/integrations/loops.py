@@ -353,6 +353,10 @@ def run_cli(tmp: Path, *, yaml_callback: bool) -> tuple[dict[int, dict[str, floa
         ]
     (tmp / "config.yaml").write_text(text)
     cli = LightningCLI(
-        LitGPT2, SamplesData, args=argv, save_config_callback=None, parser_kwargs={"exit_on_error": False}
+        LitGPT2,
+        SamplesData,
+        args=argv,
+        save_config_callback=None,
+        parser_kwargs={"exit_on_error": False},
     )
     return _csv_reads(tmp / "cli"), cli

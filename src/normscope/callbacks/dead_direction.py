@@ -21,13 +21,13 @@ from normscope.callbacks._base import (
     fail_open,
 )
 from normscope.callbacks.wandb_extras import log_wandb_extras
+from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.dead_direction import (
     DeadDirectionReport,
     DeadDirectionTracker,
     key_path,
 )
 from normscope.monitors.format import format_read_line, format_summary
-from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.scan import batch_mask, call_model
 from normscope.taps.norms import NormDiscoveryError
 

@@ -210,9 +210,7 @@ class Watch:
         loggers = [] if log is None else list(log) if isinstance(log, (list, tuple)) else [log]
         self.monitor = monitor
         self.model = model
-        self.loop = LoopView(
-            loggers, device=device or _model_device(model), precision=precision
-        )
+        self.loop = LoopView(loggers, device=device or _model_device(model), precision=precision)
         self._set_up = False
         self._batch_idx = 0
         self._batch: Any = None
