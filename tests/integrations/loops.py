@@ -216,13 +216,13 @@ def run_fabric(tmp: Path, family: str = "dd") -> tuple[dict[int, dict[str, float
 
 # --------------------------------------------------------------------------- HF Trainer
 def run_hf(
-    tmp: Path, family: str = "dd", report_to: str = "tensorboard"
+    tmp: Path, family: str = "dd", report_to: str = "tensorboard", **extra: Any
 ) -> tuple[dict[int, dict[str, float]], Any]:
     """A real ``transformers.Trainer`` (plain SGD, constant learning rate, no clipping)."""
     from normscope.integrations.transformers import DeadDirectionCallback, SignMagnitudeCallback
 
     cls = DeadDirectionCallback if family == "dd" else SignMagnitudeCallback
-    callback = cls(**monitor_args(family))
+    callback = cls(**{**monitor_args(family), **extra})
     args = transformers.TrainingArguments(
         output_dir=str(tmp / "hf"),
         max_steps=STEPS,

@@ -81,9 +81,12 @@ def test_every_loop_alerts_on_the_cancelling_branch(dd_runs):
     rows = {r["step"]: r for r in trainer.state.log_history if "dd/alerts_fired" in r}
     assert rows[1]["dd/alert/sigma_min_collapse"] == 1.0 and rows[1]["dd/alerts_fired"] == 1.0
     assert rows[2]["dd/alerts_fired"] == 0.0
-    _, cli = dd_runs["cli_yaml"]
-    monitor = next(c for c in cli.trainer.callbacks if type(c).__name__ == "DeadDirectionMonitor")
-    assert [a.step for a in monitor.alerts_fired] == [1]
+    for loop in ("cli_yaml", "cli_plus"):
+        cli = dd_runs[loop][1]
+        monitor = next(
+            c for c in cli.trainer.callbacks if type(c).__name__ == "DeadDirectionMonitor"
+        )
+        assert [a.step for a in monitor.alerts_fired] == [1], loop
 
 
 def test_hf_reads_reach_the_report_to_integration(dd_runs, tmp_path_factory):
