@@ -77,3 +77,32 @@ def test_hf_stop_on_alert_stops_the_trainer(tmp_path):
     _, (trainer, callback) = loops.run_hf(tmp_path, report_to="none", stop_on_alert=True)
     assert [a.step for a in callback.alerts_fired] == [1]
     assert trainer.state.global_step == 1  # max_steps was 5
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_watch_fabric_helper_logs_the_plain_loops_reads(tmp_path):
+    """The helper path (``watch_fabric``, ``with watch.step(batch)``), logging through the
+    Fabric's loggers: the same reads as ``tracker.step``, bit for bit."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.loggers import CSVLogger
+
+    from normscope.integrations import watch_fabric
+    from normscope.runs import read_csv_run
+
+    reference, _ = loops.run_plain("dd")
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=CSVLogger(tmp_path, name="helper"))
+    model = loops.gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=loops.LR)
+    model, optimizer = fabric.setup(model, optimizer)
+    watch = watch_fabric(fabric, model, DeadDirectionMonitor(**loops.MONITOR_ARGS))
+    batch = next(iter(loops.loader()))
+    for _ in range(loops.STEPS):
+        with watch.step(batch):
+            fabric.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    watch.close()
+    fabric.logger.finalize("success")
+    rows = read_csv_run(tmp_path / "helper").history
+    got = {int(r["step"]): loops.family_only(r, "dd") for r in rows if loops.RUN_KEY["dd"] in r}
+    assert got == reference
