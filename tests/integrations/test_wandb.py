@@ -147,3 +147,38 @@ def test_log_per_layer_on_32_layers():
         with pytest.raises(MisconfigurationException, match="log_per_layer"):
             DeadDirectionMonitor(log_per_layer=bad)
     assert L  # lightning imported for the fixtures' Trainer
+
+
+def test_plain_loop_with_wandb_log_summarises_the_minimum(tmp_path, monkeypatch):
+    """``tracker.step(..., log=wandb.log)``: the run-level keys are declared on the active run,
+    so its summary of ``dd/sigma_min_ratio_min`` is the minimum over the reads, not the last."""
+    import wandb
+
+    from normscope import DeadDirectionTracker
+    from tests.callbacks.tiny_models import TinyLM
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tracker = DeadDirectionTracker(model)
+    x = torch.randint(0, 32, (8, 16))
+    run = wandb.init(project="normscope-test", dir=str(tmp_path))
+    ratios = []
+    for step in range(4):
+        if step == 1:
+            model.set_cancel(1, 0.95)  # the dip: read after step 2
+        elif step == 2:
+            model.h[1].cancel = 0.0
+        with tracker.step(x, every_n_steps=1, log=wandb.log, alerts=()) as read:
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        ratios.append(read.report.sigma_min_ratio_min)
+    run.finish()
+    wait_for_summary(tmp_path)
+    logged = read_wandb_run(tmp_path)
+    assert logged.series("dd/sigma_min_ratio_min")[1].tolist() == ratios
+    assert min(ratios) < 0.8 < ratios[-1]
+    assert logged.summary["dd/sigma_min_ratio_min"] == {"min": min(ratios)}

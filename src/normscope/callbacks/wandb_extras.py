@@ -23,6 +23,7 @@ in the workspace search (``dd/.*/sigma_min_ratio``, ``dd/.*/kernel_residual``).
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from normscope.monitors.dead_direction import DeadDirectionReport, key_path
@@ -50,21 +51,41 @@ def _run_key(run: Any) -> str:
     return str(getattr(run, "id", None) or id(run))
 
 
-def define_summaries(logger: Any, metrics: dict[str, float]) -> None:
-    """``define_metric`` for the run-level keys of :data:`SUMMARIES` on a Lightning
-    ``WandbLogger``'s run, once per run (a no-op for other loggers)."""
+def _wandb_run_of(logger: Any) -> tuple[Any, str | None]:
+    """The W&B run a logger writes to and its step key: a Lightning ``WandbLogger``
+    (``trainer/global_step``), or a plain-loop ``log=`` of ``wandb.log`` / ``run.log`` (W&B's
+    own step); ``(None, None)`` for anything else. Never imports wandb itself."""
     from lightning.pytorch.loggers import WandbLogger
 
-    if not isinstance(logger, WandbLogger):
+    if isinstance(logger, WandbLogger):
+        return logger.experiment, _STEP
+    fn = getattr(logger, "fn", None)  # normscope.integrations.CallableLogger
+    if fn is None or not (getattr(fn, "__module__", "") or "").startswith("wandb"):
+        return None, None
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and hasattr(owner, "define_metric"):
+        return owner, None  # run.log
+    wandb = sys.modules.get("wandb")
+    return (getattr(wandb, "run", None), None) if wandb is not None else (None, None)
+
+
+def define_summaries(logger: Any, metrics: dict[str, float]) -> None:
+    """``define_metric`` for the run-level keys of :data:`SUMMARIES`, once per W&B run, on a
+    Lightning ``WandbLogger``'s run or the run of a plain-loop ``log=wandb.log`` (a no-op for
+    other loggers)."""
+    run, step_metric = _wandb_run_of(logger)
+    if run is None:
         return
-    run = logger.experiment
     key = _run_key(run)
     if key in _DEFINED:
         return
     families = {k.split("/", 1)[0] for k in metrics}
     for metric, summary in SUMMARIES.items():
         if metric.split("/", 1)[0] in families:
-            run.define_metric(metric, step_metric=_STEP, summary=summary)
+            if step_metric is None:
+                run.define_metric(metric, summary=summary)
+            else:
+                run.define_metric(metric, step_metric=step_metric, summary=summary)
     if families & {"dd", "sm"}:
         _DEFINED.add(key)
 
