@@ -106,3 +106,19 @@ def test_watch_fabric_helper_logs_the_plain_loops_reads(tmp_path):
     rows = read_csv_run(tmp_path / "helper").history
     got = {int(r["step"]): loops.family_only(r, "dd") for r in rows if loops.RUN_KEY["dd"] in r}
     assert got == reference
+
+
+def test_fabric_sharded_strategies_are_refused():
+    """Fabric's FSDP runs on GPUs only, so the refusal is tested on the strategy classes (as the
+    Lightning monitor's is): a loop whose strategy is one of them is refused with the reason."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from normscope.integrations.fabric import _check_fabric_strategy
+
+    for cls in (FSDPStrategy, DeepSpeedStrategy):
+        strategy = cls.__new__(cls)  # DeepSpeed is not installed: no __init__
+        with pytest.raises(MisconfigurationException, match="not supported.*sharded"):
+            _check_fabric_strategy(SimpleNamespace(strategy=strategy), DeadDirectionMonitor())

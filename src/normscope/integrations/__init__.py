@@ -10,12 +10,14 @@ Each drives the same monitor methods the Lightning ``Trainer`` calls, so the rea
 fail-open guarantees are the same in every loop.
 """
 
+from typing import Any
+
 from normscope.integrations.loop import CallableLogger, LoopView, StepResult, Watch
 
 __all__ = ["CallableLogger", "LoopView", "StepResult", "Watch", "watch_fabric"]
 
 
-def __getattr__(name: str):  # watch_fabric imports lightning.fabric: only when asked for
+def __getattr__(name: str) -> Any:  # watch_fabric imports lightning.fabric: only when asked for
     if name == "watch_fabric":
         from normscope.integrations.fabric import watch_fabric
 
