@@ -21,6 +21,7 @@ import json
 import math
 import re
 import struct
+import warnings
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import numpy as np
 __all__ = [
     "RunLog",
     "RunReadError",
+    "SkippedBytes",
     "read_csv_run",
     "read_run",
     "read_tensorboard_run",
@@ -61,12 +63,18 @@ class RunLog:
             (the trainer's global step where the logger recorded it).
         alerts: alert records in log order, each ``{"step", "title", "text", "level"}``
             (W&B runs only; CSV and TensorBoard have no alert records).
+        skipped: the corrupt stretches of a W&B transaction file that were skipped
+            (:func:`wandb_records`); empty for an intact file.
+        summary: a W&B run's summary as its summary records left it (numbers, strings; media
+            and nested values as W&B's JSON decodes them); empty for CSV and TensorBoard.
     """
 
     source: str
     path: Path
     history: list[dict[str, float]] = field(default_factory=list)
     alerts: list[dict[str, object]] = field(default_factory=list)
+    skipped: list[SkippedBytes] = field(default_factory=list)
+    summary: dict[str, object] = field(default_factory=dict)
 
     def keys(self) -> list[str]:
         """Every metric key logged at least once, sorted (``"step"`` excluded)."""
@@ -152,17 +160,61 @@ def _wandb_file(path: Path) -> Path:
     return found[0]
 
 
-def wandb_records(path: str | Path) -> Iterator[object]:
+@dataclass
+class SkippedBytes:
+    """What a corrupt stretch of a W&B transaction file cost: the bytes skipped (from ``start``
+    to the next 32 KiB block, LevelDB's own recovery), the chunks dropped with them (the
+    corrupt one and the orphaned parts of a record that straddled it) and why."""
+
+    start: int
+    end: int
+    chunks_dropped: int
+    reason: str
+
+    @property
+    def bytes_skipped(self) -> int:
+        return self.end - self.start
+
+
+def wandb_records(
+    path: str | Path, *, strict: bool = False, skipped: list[SkippedBytes] | None = None
+) -> Iterator[object]:
     """Every protobuf ``Record`` of a W&B transaction file, in order.
 
-    Raises :class:`RunReadError` on a file that is not one, or on a corrupt chunk (checksum)."""
+    A corrupt chunk (checksum mismatch, impossible length or type) does not end the read: as
+    LevelDB's log reader does, the rest of its 32 KiB block is skipped, a record that straddled
+    it is dropped whole, reading resumes at the next block, and one ``RuntimeWarning`` at the end
+    says how many bytes and chunks were lost (each stretch is appended to ``skipped`` when
+    given). ``strict=True`` raises :class:`RunReadError` at the first corrupt chunk instead.
+
+    Raises :class:`RunReadError` on a file that is not a W&B transaction file (bad header).
+
+    Example::
+
+        >>> lost: list[SkippedBytes] = []  # doctest: +SKIP
+        >>> records = list(wandb_records("run-x.wandb", skipped=lost))  # doctest: +SKIP
+        >>> sum(s.bytes_skipped for s in lost)  # doctest: +SKIP
+        32761
+    """
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(path).read_bytes()
     if not data.startswith(_WANDB_HEADER):
         raise RunReadError(f"{path}: not a W&B transaction file (bad header)")
+    lost: list[SkippedBytes] = []
     pos = len(_WANDB_HEADER)
-    pending = bytearray()
+    pending: bytearray | None = None  # the parts of a FIRST..LAST record read so far
+    pending_chunks = 0
+
+    def corrupt(reason: str) -> int:
+        nonlocal pending, pending_chunks
+        if strict:
+            raise RunReadError(f"{path}: corrupt chunk at byte {pos} ({reason})")
+        end = min(len(data), pos + _BLOCK - pos % _BLOCK)
+        lost.append(SkippedBytes(pos, end, 1 + pending_chunks, reason))
+        pending, pending_chunks = None, 0
+        return end
+
     while pos + _CHUNK_HEADER <= len(data):
         left_in_block = _BLOCK - pos % _BLOCK
         if left_in_block < _CHUNK_HEADER:
@@ -170,30 +222,57 @@ def wandb_records(path: str | Path) -> Iterator[object]:
             continue
         crc, length, kind = struct.unpack_from("<IHB", data, pos)
         start = pos + _CHUNK_HEADER
-        chunk = data[start : start + length]
         if kind == 0 and length == 0:
             pos += left_in_block  # zero-filled tail of a block
             continue
+        if _CHUNK_HEADER + length > left_in_block:
+            pos = corrupt(f"a chunk of {length} bytes cannot fit in its block")
+            continue
+        chunk = data[start : start + length]
         if len(chunk) < length:
             break  # a run still being written: the last chunk is partial
         if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
-            raise RunReadError(f"{path}: corrupt chunk at byte {pos} (checksum mismatch)")
-        pos = start + length
+            pos = corrupt("checksum mismatch")
+            continue
+        if kind not in (_FULL, _FIRST, _MIDDLE, _LAST):
+            pos = corrupt(f"unknown chunk type {kind}")
+            continue
+        at, pos = pos, start + length
+        if kind in (_MIDDLE, _LAST) and pending is None:
+            # the rest of a record whose start was lost (or never written): dropped
+            if not lost:
+                lost.append(SkippedBytes(at, at, 0, "a record's continuation without its start"))
+            lost[-1].chunks_dropped += 1
+            continue
+        if kind in (_FULL, _FIRST) and pending is not None:
+            # a FIRST..LAST record cut short: its parts are dropped
+            lost.append(SkippedBytes(at, at, pending_chunks, "a record without its last chunk"))
         if kind == _FULL:
-            pending = bytearray(chunk)
+            pending, pending_chunks = bytearray(chunk), 0
         elif kind == _FIRST:
-            pending = bytearray(chunk)
+            pending, pending_chunks = bytearray(chunk), 1
             continue
         elif kind == _MIDDLE:
             pending += chunk
+            pending_chunks += 1
             continue
-        elif kind == _LAST:
+        else:  # _LAST
             pending += chunk
-        else:
-            raise RunReadError(f"{path}: unknown chunk type {kind} at byte {pos}")
         record = pb.Record()
         record.ParseFromString(bytes(pending))
+        pending, pending_chunks = None, 0
         yield record
+    if lost:
+        if skipped is not None:
+            skipped.extend(lost)
+        warnings.warn(
+            f"normscope: {path}: {len(lost)} corrupt stretch(es) skipped, "
+            f"{sum(s.bytes_skipped for s in lost)} bytes and "
+            f"{sum(s.chunks_dropped for s in lost)} chunks lost (first at byte "
+            f"{lost[0].start}: {lost[0].reason}); the records around them were read",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _history_value(item: object) -> float | None:
@@ -223,7 +302,9 @@ def read_wandb_run(path: str | Path) -> RunLog:
     file = _wandb_file(Path(path))
     history: list[dict[str, float]] = []
     alerts: list[dict[str, object]] = []
-    for record in wandb_records(file):
+    skipped: list[SkippedBytes] = []
+    summary: dict[str, object] = {}
+    for record in wandb_records(file, skipped=skipped):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row: dict[str, float] = {}
@@ -237,6 +318,15 @@ def read_wandb_run(path: str | Path) -> RunLog:
                 step = float(record.history.step.num)
             row["step"] = step
             history.append(row)
+        elif kind == "summary":
+            for item in record.summary.update:
+                key = item.key or "/".join(item.nested_key)
+                try:
+                    summary[key] = json.loads(item.value_json)
+                except json.JSONDecodeError:
+                    continue
+            for item in record.summary.remove:
+                summary.pop(item.key or "/".join(item.nested_key), None)
         elif kind == "alert":
             named = _AT_STEP.search(record.alert.text)
             if named:
@@ -251,7 +341,7 @@ def read_wandb_run(path: str | Path) -> RunLog:
                     "level": record.alert.level,
                 }
             )
-    return RunLog("wandb", file, history, alerts)
+    return RunLog("wandb", file, history, alerts, skipped, summary)
 
 
 # ---------------------------------------------------------------------------------- TensorBoard

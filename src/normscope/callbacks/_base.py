@@ -38,6 +38,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from normscope.callbacks.wandb_extras import define_summaries
+from normscope.integrations.layers import select_layers
+
 __all__ = ["MonitorCallback", "check_strategy", "compiled", "eager_forwards", "fail_open"]
 
 
@@ -52,6 +55,8 @@ def fail_open(
 
     @functools.wraps(method)
     def guarded(self: MonitorCallback, *args: Any, **kwargs: Any) -> Any:
+        if args and type(args[0]).__name__ == "Fabric" and _is_fabric(args[0]):
+            return _via_fabric(self, method.__name__, args, kwargs)  # Fabric(callbacks=[...])
         if self.disabled:
             self._keep_in_step(method.__name__, args)
             return None
@@ -66,6 +71,27 @@ def fail_open(
 
     guarded._normscope_guarded = True  # type: ignore[attr-defined]
     return guarded
+
+
+def _is_fabric(obj: Any) -> bool:
+    from normscope.integrations.fabric import is_fabric
+
+    return is_fabric(obj)
+
+
+def _via_fabric(monitor: MonitorCallback, hook: str, args: tuple, kwargs: dict) -> Any:
+    """A hook called by ``fabric.call`` with the ``Fabric`` as the trainer: routed through
+    :mod:`normscope.integrations.fabric` (a loop view of the Fabric), fail-open like any hook."""
+    from normscope.integrations.fabric import fabric_call
+
+    try:
+        return fabric_call(monitor, hook, args, kwargs)
+    except MisconfigurationException:
+        raise
+    except Exception as err:  # noqa: BLE001 - fail-open is the contract
+        if not monitor.disabled:
+            monitor._disable(f"{hook} (Fabric): {type(err).__name__}: {err}")
+        return None
 
 
 def _guard_state(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -118,6 +144,9 @@ class MonitorCallback(Callback):
     """
 
     keep_last: int = 1000
+    #: per-layer keys sent to the loggers: "all", "none" or the k worst layers (an int);
+    #: see normscope.integrations.layers. Set by the subclasses' ``log_per_layer`` argument.
+    log_per_layer: str | int = "all"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -235,11 +264,16 @@ class MonitorCallback(Callback):
         A logger, rule or sink that raises is warned about once and left out from then on
         (loggers: for this monitor's metrics only); the others, and the monitor, go on."""
         monitor = type(self).__name__
+        logged = select_layers(metrics, self.log_per_layer)  # rules and callback_metrics: all
         for lg in trainer.loggers:
             if id(lg) in self._skipped_loggers:
                 continue
             try:
-                lg.log_metrics(metrics, step=step)
+                define_summaries(lg, logged)  # W&B: run-level minima summarise as minima
+            except Exception as err:  # noqa: BLE001 - the summaries only
+                self._warn_once("summaries", f"normscope: W&B define_metric failed ({err})")
+            try:
+                lg.log_metrics(logged, step=step)
             except Exception as err:  # noqa: BLE001 - that logger only
                 self._skipped_loggers.add(id(lg))
                 self._warn_once(

@@ -21,6 +21,7 @@ from normscope.callbacks._base import (
     fail_open,
 )
 from normscope.callbacks.wandb_extras import log_wandb_extras
+from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.dead_direction import (
     DeadDirectionReport,
     DeadDirectionTracker,
@@ -80,6 +81,9 @@ class DeadDirectionMonitor(MonitorCallback):
         overhead_warn: warn once when a read costs more than this fraction of training time
             at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
             naming the cadence that would not; ``None``: never.
+        log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
+            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.integrations.layers`)
+            and every run-level key. Alert rules still see every layer.
 
     Raises:
         MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
@@ -97,6 +101,9 @@ class DeadDirectionMonitor(MonitorCallback):
         trainer.fit(model, datamodule)
         trainer.callback_metrics["dd/sigma_min_ratio_min"]
     """
+
+    #: W&B: the profile chart and spectrum table at the first read and every this many reads
+    charts_every_n_reads: int = 10
 
     def __init__(
         self,
@@ -118,8 +125,13 @@ class DeadDirectionMonitor(MonitorCallback):
         verbose: bool = True,
         seed: int = 0,
         overhead_warn: float | None = 0.05,
+        log_per_layer: str | int = "all",
     ) -> None:
         super().__init__(every_n_steps, overhead_warn)
+        try:
+            self.log_per_layer = check_log_per_layer(log_per_layer, "DeadDirectionMonitor")
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
         if max_rows_per_step is not None and max_rows_per_step < 1:
             raise MisconfigurationException(
                 f"DeadDirectionMonitor: max_rows_per_step must be None or >= 1, got {max_rows_per_step}"
@@ -295,7 +307,12 @@ class DeadDirectionMonitor(MonitorCallback):
         # Rank zero alone runs these two: a failure there must not skip the stop decision's
         # collective below, so each fails on its own (one warning) and the read goes on.
         if trainer.is_global_zero:
-            self._local(lambda: log_wandb_extras(trainer, report, step), "W&B charts")
+            self._local(
+                lambda: log_wandb_extras(
+                    trainer, report, step, reads=self.reads, every=self.charts_every_n_reads
+                ),
+                "W&B charts",
+            )
         fired = self._publish(trainer, metrics, step)
         if self.verbose and trainer.is_global_zero:
             self._local(lambda: rank_zero_info(format_read_line(report, fired)), "read line")

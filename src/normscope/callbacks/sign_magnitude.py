@@ -21,6 +21,7 @@ from normscope.callbacks._base import (
     eager_forwards,
     fail_open,
 )
+from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.scan import call_model
 from normscope.monitors.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
 
@@ -69,6 +70,9 @@ class SignMagnitudeMonitor(MonitorCallback):
         overhead_warn: warn once when a read costs more than this fraction of training time
             at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
             naming the cadence that would not; ``None``: never.
+        log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
+            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.integrations.layers`)
+            and every run-level key. Alert rules still see every layer.
 
     Example::
 
@@ -93,8 +97,13 @@ class SignMagnitudeMonitor(MonitorCallback):
         verbose: bool = True,
         seed: int = 0,
         overhead_warn: float | None = 0.05,
+        log_per_layer: str | int = "all",
     ) -> None:
         super().__init__(every_n_steps, overhead_warn)
+        try:
+            self.log_per_layer = check_log_per_layer(log_per_layer, "SignMagnitudeMonitor")
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
         if not 0.0 < flip_rate < 1.0:
             raise MisconfigurationException(
                 f"SignMagnitudeMonitor: flip_rate must be in (0, 1), got {flip_rate}"
@@ -207,7 +216,7 @@ class SignMagnitudeMonitor(MonitorCallback):
         forward = self.example_forward or call_model
         probe = None
         if self.probe_batch is not None and self.tracker.probe_layers:
-            batch = move_data_to_device(self.probe_batch, pl_module.device)
+            batch = move_data_to_device(self.probe_batch, _device(pl_module))
 
             def probe() -> Any:
                 # The probe's forwards (perturbed weights, temporary hooks at the norm inputs)
@@ -244,6 +253,14 @@ class SignMagnitudeMonitor(MonitorCallback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.every_n_steps, layers=str(self.layers))
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    """A LightningModule's device; a plain module's (Fabric, plain loops): its parameters'."""
+    device = getattr(module, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(module.parameters()).device
 
 
 def _read_line(step: int, metrics: dict[str, float], fired: Sequence[Alert]) -> str:

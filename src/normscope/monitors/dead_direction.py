@@ -389,6 +389,39 @@ class DeadDirectionTracker:
     def memory_bytes(self) -> int:
         return self.taps.memory_bytes()
 
+    # -------------------------------------------------------------- plain loops
+    def step(self, batch: Any = None, **options: Any) -> Any:
+        """A context manager around one optimiser step of a loop you wrote: on entry it opens
+        the window when the step is sampled (gammas snapshotted first, ``attention_mask`` of a
+        dict ``batch`` applied, residual points discovered on the first call with ``batch``);
+        on exit it reads on schedule, evaluates the alert rules, logs, and puts the report
+        (``None`` on a step without a read) and the alerts fired on the yielded
+        :class:`~normscope.integrations.StepResult`.
+
+        ``options`` (read at the first call, kept after): ``log=`` (a callable such as
+        ``wandb.log``, a logger object, or a list of them) and any argument of
+        :class:`~normscope.DeadDirectionMonitor` (``every_n_steps``, ``rules``,
+        ``stop_on_alert``, ``alerts`` (default ``("log",)``), ``log_per_layer`` ...); the
+        tracker's own layers, residual and row settings stay as built. One engine: the same
+        schedule and reads as the Lightning monitor (:class:`~normscope.integrations.Watch`).
+
+        Example::
+
+            tracker = DeadDirectionTracker(model)
+            for x, y in loader:
+                with tracker.step((x, y), every_n_steps=50, log=wandb.log) as result:
+                    _, loss = model(x, y)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if result.alerts:
+                    print(result.alerts[0].message)
+        """
+        from normscope.callbacks.dead_direction import DeadDirectionMonitor
+        from normscope.integrations.loop import tracker_step
+
+        return tracker_step(self, DeadDirectionMonitor, batch, options)
+
 
 def _warn_disabled(what: str, reason: str) -> None:
     warnings.warn(

@@ -435,6 +435,25 @@ class SignMagnitudeTracker:
                 if tuple(signs.shape) == tuple(w.shape):
                     self.prev_signs[name] = signs.to(w.device)
 
+    # -------------------------------------------------------------- plain loops
+    def step(self, batch: Any = None, **options: Any) -> Any:
+        """A context manager around one optimiser step, as
+        :meth:`DeadDirectionTracker.step <normscope.DeadDirectionTracker.step>`: outlier rows
+        folded on sampled steps, parameter and probe reads (probe batch: ``probe_batch=``, else
+        the first ``batch``) at their end, the alert rules, ``log=``. ``options``: ``log=`` and
+        any argument of :class:`~normscope.SignMagnitudeMonitor`, read at the first call.
+
+        Example::
+
+            tracker = SignMagnitudeTracker(model)
+            with tracker.step((x, y), every_n_steps=100, log=print) as result:
+                ...  # forward, backward, optimizer.step()
+        """
+        from normscope.callbacks.sign_magnitude import SignMagnitudeMonitor
+        from normscope.integrations.loop import tracker_step
+
+        return tracker_step(self, SignMagnitudeMonitor, batch, options)
+
 
 def find_norm_layers_or_empty(model: nn.Module) -> list:
     try:

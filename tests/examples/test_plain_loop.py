@@ -1,0 +1,27 @@
+"""``examples/plain_loop.py``, run for real (shortened): the nanoGPT loop with
+``tracker.step`` reads on schedule and alerts once the cancelling branch is switched on."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import plain_loop  # noqa: E402
+
+
+@pytest.mark.filterwarnings("ignore:normscope alert")
+def test_plain_loop_reads_and_alerts(capsys):
+    alerts = plain_loop.main(["--steps", "8", "--every", "4", "--cancel-at", "5"])
+    out = capsys.readouterr().out
+    # reads after steps 1 (the baseline window), 4 and 8; the branch cancels from step 5
+    assert [line.split(":")[0] for line in out.splitlines() if "sigma_min_ratio_min" in line] == [
+        "step 1",
+        "step 4",
+        "step 8",
+    ]
+    assert alerts and alerts[0].step == 8 and alerts[0].rule == "sigma_min_collapse"

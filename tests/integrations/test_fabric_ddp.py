@@ -1,0 +1,81 @@
+"""The dead-direction monitor as a Fabric callback under real DDP (2 CPU processes, gloo): one
+short launch of ``tests/integrations/fabric_ddp.py`` in a subprocess with a timeout (a hung
+collective fails the test instead of stalling CI)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from normscope import scan_model
+from normscope.runs import read_csv_run
+from tests.integrations import fabric_ddp
+from tests.integrations.loops import gpt2
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fabric_ddp")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integrations.fabric_ddp", str(out)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the Fabric DDP loop hung (> {TIMEOUT_S} s):\n{stderr[-6000:]}")
+    assert proc.returncode == 0, stderr[-6000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return out, ranks
+
+
+def test_fabric_ddp_reads_cover_both_ranks_rows(ddp_run):
+    """Both ranks: the same reads (reduced), the optimiser steps counted through gradient
+    accumulation (3 steps of 2 micro-batches: global_step 3, reads after steps 1 and 2), and
+    equal, to rel 1e-10 (only the order of the float64 sums differs), to one process's scan of
+    every micro-batch of both ranks with the same weights (learning rate 0)."""
+    out, ranks = ddp_run
+    for r in ranks:
+        assert not r["disabled"], r["failure"]
+        assert r["global_step"] == fabric_ddp.STEPS and r["reads"] == 2
+        assert r["alerts"] == [1]  # the cancelling branch, on both ranks at the same step
+    got = [{k: float(v) for k, v in r["last"].items()} for r in ranks]
+    assert got[0].keys() == got[1].keys()
+    for key in got[0]:
+        assert got[0][key] == got[1][key] or (math.isnan(got[0][key]) and math.isnan(got[1][key]))
+    batches = fabric_ddp.micro_batches(0) + fabric_ddp.micro_batches(1)
+    model = gpt2()
+    with torch.no_grad():
+        expected = scan_model(model, batches).as_dict()
+    rows = sum(int(b["attention_mask"].sum()) for b in batches)
+    assert got[0]["dd/transformer.ln_f/n_rows"] == rows
+    for key, value in expected.items():
+        if key.endswith("/deepening"):
+            continue  # the monitor's baseline is its first read, the scan's its own
+        if math.isnan(value):
+            assert math.isnan(got[0][key]), key
+        else:
+            assert got[0][key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+    logged = read_csv_run(out / "fabric_ddp")  # rank 0's Fabric logger
+    steps, ratio = logged.series("dd/sigma_min_ratio_min")
+    assert steps.tolist() == [1.0, 2.0]
+    assert ratio[-1] == got[0]["dd/sigma_min_ratio_min"]

@@ -1,0 +1,124 @@
+"""The plain-loop engine's own contract: stop decisions, fail-open, misuse, and the HF
+callback's stop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from normscope import DeadDirectionMonitor, DeadDirectionTracker
+from normscope.integrations import Watch
+from tests.integrations import loops
+
+
+def _step(model, optimizer, batch):
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_stop_on_alert_reaches_the_loop():
+    model = loops.gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    tracker = DeadDirectionTracker(model)
+    batch = next(iter(loops.loader()))
+    with tracker.step(batch, every_n_steps=2, stop_on_alert=True, alerts=()) as read:
+        _step(model, optimizer, batch)
+    assert read.should_stop and [a.rule for a in read.alerts] == ["sigma_min_collapse"]
+    assert read.report.step == 1 and read.report.sigma_min_ratio_min < 0.2
+
+
+def test_a_failing_read_disables_the_monitor_not_the_loop(monkeypatch):
+    model = loops.gpt2(cancel=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = Watch(DeadDirectionMonitor(every_n_steps=1, verbose=False, alerts=()), model)
+    batch = next(iter(loops.loader()))
+    with watch.step(batch) as first:
+        _step(model, optimizer, batch)
+    assert first.report is not None and ours(model) > 0
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(watch.monitor.tracker, "read", broken)
+    with pytest.warns(UserWarning, match="disabled itself.*boom"):
+        with watch.step(batch) as second:
+            _step(model, optimizer, batch)
+    assert second.report is None and watch.monitor.disabled
+    with watch.step(batch) as third:  # the loop goes on; nothing more is read
+        _step(model, optimizer, batch)
+    assert third.report is None and watch.global_step == 3
+    assert ours(model) == 0  # its hooks are gone
+
+
+def ours(model) -> int:
+    """normscope's hooks on the model's modules."""
+    return sum(
+        "normscope" in getattr(h, "__module__", "")
+        for m in model.modules()
+        for hooks in (m._forward_hooks, m._forward_pre_hooks)
+        for h in hooks.values()
+    )
+
+
+def test_misuse_is_a_clear_error():
+    model = loops.gpt2(cancel=False)
+    watch = Watch(DeadDirectionMonitor(verbose=False), model)
+    with pytest.raises(RuntimeError, match="call start"):
+        watch.stepped()
+    with pytest.raises(TypeError, match="nn.Module"):
+        Watch(DeadDirectionMonitor(), object())
+    with pytest.raises(TypeError, match="callable or a logger"):
+        Watch(DeadDirectionMonitor(), model, log=42)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_hf_stop_on_alert_stops_the_trainer(tmp_path):
+    _, (trainer, callback) = loops.run_hf(tmp_path, report_to="none", stop_on_alert=True)
+    assert [a.step for a in callback.alerts_fired] == [1]
+    assert trainer.state.global_step == 1  # max_steps was 5
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_watch_fabric_helper_logs_the_plain_loops_reads(tmp_path):
+    """The helper path (``watch_fabric``, ``with watch.step(batch)``), logging through the
+    Fabric's loggers: the same reads as ``tracker.step``, bit for bit."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.loggers import CSVLogger
+
+    from normscope.integrations import watch_fabric
+    from normscope.runs import read_csv_run
+
+    reference, _ = loops.run_plain("dd")
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=CSVLogger(tmp_path, name="helper"))
+    model = loops.gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=loops.LR)
+    model, optimizer = fabric.setup(model, optimizer)
+    watch = watch_fabric(fabric, model, DeadDirectionMonitor(**loops.MONITOR_ARGS))
+    batch = next(iter(loops.loader()))
+    for _ in range(loops.STEPS):
+        with watch.step(batch):
+            fabric.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    watch.close()
+    fabric.logger.finalize("success")
+    rows = read_csv_run(tmp_path / "helper").history
+    got = {int(r["step"]): loops.family_only(r, "dd") for r in rows if loops.RUN_KEY["dd"] in r}
+    assert got == reference
+
+
+def test_fabric_sharded_strategies_are_refused():
+    """Fabric's FSDP runs on GPUs only, so the refusal is tested on the strategy classes (as the
+    Lightning monitor's is): a loop whose strategy is one of them is refused with the reason."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from normscope.integrations.fabric import _check_fabric_strategy
+
+    for cls in (FSDPStrategy, DeepSpeedStrategy):
+        strategy = cls.__new__(cls)  # DeepSpeed is not installed: no __init__
+        with pytest.raises(MisconfigurationException, match="not supported.*sharded"):
+            _check_fabric_strategy(SimpleNamespace(strategy=strategy), DeadDirectionMonitor())
