@@ -188,7 +188,9 @@ class DeadDirectionTracker:
         self.skipped_points: list[str] = []
         self.failed_reads: dict[str, str] = {}
         self.layout: ResidualLayout | None = None
+        # Delta_gamma's baseline per norm: its Schur complement s and the rows it was read on
         self.baselines: dict[str, float] = {}
+        self.baseline_rows: dict[str, int] = {}
         self._norm_taps: dict[str, tuple[Tap, Tap]] = {}
         self._point_taps: list[Tap] = []
         self._gammas: dict[str, torch.Tensor] = {}
@@ -349,13 +351,18 @@ class DeadDirectionTracker:
             null_tol=self.null_tol,
             declared_kind=norm.kind,
         )
-        schur = schur_quotient(tap_in.accumulator.covariance(), g, n_in)
-        r_now = schur.schur_quotient
-        if norm.name not in self.baselines and math.isfinite(r_now):
-            self.baselines[norm.name] = r_now  # METRICS §1.3: the run's first read
-        r_base = self.baselines.get(norm.name, math.nan)
-        deepening = r_base / r_now if math.isfinite(r_now) and r_now > 0 else math.nan
-        return NormReport(norm.name, norm.kind, g, kernel, schur, deepening, n_out)
+        cov_in = tap_in.accumulator.covariance()
+        schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind)
+        if norm.name not in self.baselines and math.isfinite(schur.schur_complement):
+            # METRICS §1.3: the run's first read (scan: the random-init twin's) is the baseline
+            self.baselines[norm.name] = schur.schur_complement
+            self.baseline_rows[norm.name] = n_in
+        if norm.name in self.baselines:
+            base = SchurRead(
+                math.nan, self.baselines[norm.name], None, self.baseline_rows.get(norm.name, n_in)
+            )
+            schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=base)
+        return NormReport(norm.name, norm.kind, g, kernel, schur, schur.deepening, n_out)
 
     def _read_profile(self) -> SigmaMinProfile | None:
         if self.layout is None or not self._point_taps:
@@ -373,6 +380,7 @@ class DeadDirectionTracker:
         """Baselines and the open window's accumulators."""
         return {
             "baselines": dict(self.baselines),
+            "baseline_rows": dict(self.baseline_rows),
             "taps": {
                 f"{k[0]}|{k[1]}": t.accumulator.state_dict() for k, t in self.taps.taps.items()
             },
@@ -380,6 +388,7 @@ class DeadDirectionTracker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.baselines = dict(state.get("baselines", {}))
+        self.baseline_rows = {k: int(v) for k, v in state.get("baseline_rows", {}).items()}
         for key, acc_state in state.get("taps", {}).items():
             name, where = key.rsplit("|", 1)
             tap = self.taps.taps.get((name, where))
