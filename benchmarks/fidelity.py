@@ -86,7 +86,11 @@ def classifier() -> None:
             ):
                 for kind in ("layernorm", "rmsnorm"):
                     f = torch.nn.functional
-                    y = f.layer_norm(x, (d,), gamma) if kind == "layernorm" else f.rms_norm(x, (d,), gamma)
+                    y = (
+                        f.layer_norm(x, (d,), gamma)
+                        if kind == "layernorm"
+                        else f.rms_norm(x, (d,), gamma)
+                    )
                     acc = StreamingCovariance(d)
                     acc.update(y)
                     r = kernel_read(acc.covariance(), gamma, acc.count, declared_kind=kind)
@@ -110,7 +114,9 @@ def rows_sensitivity(module: LitGPT) -> None:
     out = {}
     for n_batches in (1, 4, 16):
         report = scan_model(model, batches[:n_batches], residual=False)
-        out[n_batches * 2048] = {k: report.norms[f"transformer.{k}"].schur.schur_complement for k in DEEP}
+        out[n_batches * 2048] = {
+            k: report.norms[f"transformer.{k}"].schur.schur_complement for k in DEEP
+        }
     print("| layer | s at 2k | s at 8k | s at 32k | 32k / 2k |")
     print("|---|---:|---:|---:|---:|")
     for k in DEEP:
