@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
 from nanogpt import GPTConfig, LitGPT, make_dataloaders  # noqa: E402
+from tests.callbacks.tiny_models import cpu_trainer  # noqa: E402
 
 from normscope import DeadDirectionMonitor, scan_model  # noqa: E402
 from normscope.alerts import CallableRule  # noqa: E402
 from normscope.functional import StreamingCovariance, kernel_read  # noqa: E402
-from tests.callbacks.tiny_models import cpu_trainer  # noqa: E402
 
 DEEP = ["h.2.ln_1", "h.2.ln_2", "h.3.ln_1", "h.3.ln_2", "ln_f"]
 PREFIX = "dd/model.transformer."

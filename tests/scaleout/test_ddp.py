@@ -21,7 +21,6 @@ from tests.scaleout.distributed_fits import (
     single_process_reads,
 )
 
-
 P0_MARGIN = "dd/model.h.0.ln_1/no_cancellation_margin"  # p_0: NaN by definition
 AGAINST_BASELINE = ("/delta_gamma", "/deepening")  # NaN when rows are not comparable
 

@@ -1,11 +1,11 @@
 """Pure math on tensors: accumulators and reads (METRICS.md). No hooks, no Lightning, no logging."""
 
+from normscope.functional.cancellation import StreamingCrossMoment, no_cancellation_margin
 from normscope.functional.covariance import (
     StreamingCovariance,
     symmetric_eigh,
     symmetric_eigvalsh,
 )
-from normscope.functional.cancellation import StreamingCrossMoment, no_cancellation_margin
 from normscope.functional.dead_direction import (
     GammaRead,
     KernelRead,
