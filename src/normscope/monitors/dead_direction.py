@@ -368,17 +368,17 @@ class DeadDirectionTracker:
             null_tol=self.null_tol,
             declared_kind=norm.kind,
         )
+        base = None
+        if norm.name in self.baselines:
+            rows = self.baseline_rows.get(norm.name, n_in)
+            base = SchurRead(math.nan, self.baselines[norm.name], None, rows)
         cov_in = tap_in.accumulator.covariance()
-        schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind)
-        if norm.name not in self.baselines and math.isfinite(schur.schur_complement):
+        schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=base)
+        if base is None and math.isfinite(schur.schur_complement):
             # METRICS §1.3: the run's first read (scan: the random-init twin's) is the baseline
             self.baselines[norm.name] = schur.schur_complement
             self.baseline_rows[norm.name] = n_in
-        if norm.name in self.baselines:
-            base = SchurRead(
-                math.nan, self.baselines[norm.name], None, self.baseline_rows.get(norm.name, n_in)
-            )
-            schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=base)
+            schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=schur)
         return NormReport(norm.name, norm.kind, g, kernel, schur, schur.deepening, n_out)
 
     def _read_profile(self) -> SigmaMinProfile | None:
