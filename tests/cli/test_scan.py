@@ -172,12 +172,16 @@ def test_random_init_checkpoint_is_its_own_twin(tmp_path: Path, arch: str) -> No
             assert n["kernel_residual"] <= 1e-10
         else:  # RMSNorm: v* is no kernel direction, so no Delta_gamma (NaN -> null)
             assert n["deepening"] is None and n["delta_gamma"] is None, n["name"]
+            assert n["delta_reason"] == "no_gamma_kernel", n["name"]
             assert n["kind"] == "rmsnorm" and n["null_dim"] == 0
             assert n["kernel_residual"] > 1e-6 and n["norm_class"] != "layernorm-like"
     profile = result["profile"]
     assert [p["sublayer"] for p in profile] == [None, "attn", "mlp", "attn", "mlp"]
     for p in profile:
         assert p["baseline_ratio"] == pytest.approx(p["sigma_min_ratio"], rel=1e-12)
+    # the margin per point: none at p_0 (JSON null), a number after it
+    assert profile[0]["no_cancellation_margin"] is None
+    assert all(isinstance(p["no_cancellation_margin"], float) for p in profile[1:])
     assert "ALERT" not in stdout  # random init, no cancellation: no sigma_min alert
     assert "sublayer" in stdout and "attn" in stdout
 
@@ -240,6 +244,9 @@ def test_factory_with_its_own_tokenizer_and_a_short_text(tmp_path: Path) -> None
     assert result["model"]["tokenizer"] == "<lambda> (the factory's)"
     # --baseline none: no twin, so no deepening and no twin profile
     assert all(n["deepening"] is None and n["baseline"] is None for n in result["norms"])
+    assert all(
+        n["delta_gamma"] is None and n["delta_reason"] == "no_baseline" for n in result["norms"]
+    )
     assert all(p["baseline_ratio"] is None for p in result["profile"])
     assert "baseline: none" in stdout
 
