@@ -11,7 +11,9 @@ On a sampled forward a hook folds its tensor's rows into a :class:`StreamingCova
 tensor's own device, with the batch's padding mask when the caller supplied one
 (:meth:`Gate.sampling`). A forward re-run by activation checkpointing (inside backward) is
 skipped, so no row is counted twice. If a hook raises, it warns once naming the tap, disables
-that tap alone, and training goes on.
+that tap alone, and training goes on. The residual points' taps fold through a
+:class:`~normscope.taps.chain.PointChain` (:meth:`TapSet.chain_points`): one row subset per
+forward for all of them, and the cross-moments between neighbours.
 """
 
 from __future__ import annotations
