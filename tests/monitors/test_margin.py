@@ -204,3 +204,30 @@ def test_a_lightning_fit_logs_the_margin_and_it_is_negative_at_the_cancelling_br
         margins = [read[f"dd/{p}/no_cancellation_margin"] for p in points[1:]]
         assert read["dd/no_cancellation_margin_min"] == min(margins)
     assert last["dd/model.ln_f/no_cancellation_margin"] < 0
+
+
+def test_a_failing_cross_moment_disables_the_margin_only():
+    """A cross-moment update that raises inside the hook: one warning, the margins stop, the
+    profile and the norm reads go on, the forward is untouched."""
+    torch.manual_seed(0)
+    model = Stack()
+    tracker = DeadDirectionTracker(model)
+    xs = batches(2)
+    tracker.attach(forward=lambda: model(xs[0]))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cross-moment exploded")
+
+    tracker.taps.chain.cross[1].update = broken
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), tracker.gate.sampling():
+            out = [model(x) for x in xs]
+    texts = [str(w.message) for w in caught if "normscope" in str(w.message)]
+    assert len(texts) == 1 and "cross-moments failed" in texts[0]
+    assert all(torch.isfinite(o).all() for o in out)
+    report = tracker.read(0, reduce=False)
+    assert not report.profile.margin_measured
+    assert all(math.isfinite(p.sigma_min) for p in report.profile.points)
+    assert len(report.norms) == 5 and report.failed_taps == {}
+    tracker.detach()

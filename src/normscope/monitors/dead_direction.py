@@ -323,7 +323,8 @@ class DeadDirectionTracker:
         if reduce:
             for tap in self.taps.taps.values():  # same order on every rank
                 tap.accumulator.reduce_()
-            for acc in self._cross():
+            # every rank holds the same cross-moments (a local failure only stops reading them)
+            for acc in self.taps.chain.cross if self.taps.chain is not None else ():
                 acc.reduce_()
         norms: dict[str, NormReport] = {}
         for norm in self.norms:
