@@ -342,6 +342,10 @@ class DeadDirectionMonitor(MonitorCallback):
         self.last_read_step = int(state_dict.get("last_read_step", -1))
         self._baselines = {str(k): float(v) for k, v in state_dict.get("baselines", {}).items()}
         self._rows = {str(k): int(v) for k, v in state_dict.get("baseline_rows", {}).items()}
+        if "baseline_rows" not in state_dict:
+            # a version 1 checkpoint: its baselines are the old quotient R_q, not the Schur
+            # complement Delta_gamma compares; the next read starts a new baseline
+            self._baselines = {}
         if self.tracker is not None:
             self.tracker.baselines.update(self._baselines)
             self.tracker.baseline_rows.update(self._rows)

@@ -420,7 +420,9 @@ class DeadDirectionTracker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.baselines = dict(state.get("baselines", {}))
+        # without baseline_rows the state is version 1's: its baselines are another quantity
+        has_rows = "baseline_rows" in state
+        self.baselines = dict(state.get("baselines", {})) if has_rows else {}
         self.baseline_rows = {k: int(v) for k, v in state.get("baseline_rows", {}).items()}
         for key, acc_state in state.get("taps", {}).items():
             name, where = key.rsplit("|", 1)
