@@ -178,6 +178,7 @@ def test_margin_off_and_memory_budget():
         text = " ".join(str(w.message) for w in caught)
         assert tracker.memory_bytes() <= budget
         assert len(tracker.layout.points) == 9 and tracker.margin is links
+        assert [n.name for n in tracker.norms] == ["ln_f"]  # 2 KiB left: its output tap
         assert ("no-cancellation margin (not read)" in text) is (not links)
         with tracker.gate.sampling():
             model(x)
