@@ -18,6 +18,7 @@ Tolerances, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -37,6 +38,7 @@ from normscope.functional import (
     predicted_kernel,
     schur_quotient,
 )
+from normscope.functional.dead_direction import rmsnorm_alignment_max, rows_comparable
 
 torch.set_num_threads(1)
 AGREE = 1e-10  # our float64 numbers vs numpy's (see module docstring)
@@ -312,6 +314,13 @@ def numpy_schur(c: np.ndarray, v: np.ndarray, ridge: float = 1e-12) -> float:
     return 1.0 / ((v @ np.linalg.inv(cr) @ v) * (v @ cr @ v))
 
 
+def numpy_schur_complement(c: np.ndarray, v: np.ndarray, ridge: float = 1e-12) -> float:
+    """s = [1 / (v^T C^-1 v)] / [tr(C) / d], on the same ridged matrix."""
+    d = len(v)
+    cr = c + ridge * np.trace(c) / d * np.eye(d)
+    return (1.0 / (v @ np.linalg.inv(cr) @ v)) / (np.trace(c) / d)
+
+
 def test_schur_quotient_is_one_on_an_eigenvector():
     d = 48
     gamma = make_gamma(d, seed=10).double()
@@ -322,7 +331,8 @@ def test_schur_quotient_is_one_on_an_eigenvector():
     read = schur_quotient(torch.from_numpy(c), gamma, 4 * d)
     assert read.reason is None
     assert read.schur_quotient == pytest.approx(1.0, abs=1e-12)
-    assert read.delta_gamma == pytest.approx(0.0, abs=1e-12)
+    # Delta_gamma needs a baseline (it used to be 1 - R_q: issue 18)
+    assert math.isnan(read.delta_gamma) and read.delta_reason == "no_baseline"
 
 
 def test_schur_quotient_is_small_when_a_near_dead_direction_overlaps_v_star():
@@ -337,12 +347,19 @@ def test_schur_quotient_is_small_when_a_near_dead_direction_overlaps_v_star():
     read = schur_quotient(torch.from_numpy(c), gamma, 4 * d)
     cos2 = (w @ v) ** 2
     closed_form = 1 / ((1 + (1 / s - 1) * cos2) * (1 - (1 - s) * cos2))  # Sherman-Morrison
-    assert read.schur_quotient < 1e-4 and read.delta_gamma > 0.9999
+    assert read.schur_quotient < 1e-4
     # The 1e-12 ridge moves R by about ridge / s = 1e-6 relative; numpy uses the same ridge.
     assert read.schur_quotient == pytest.approx(closed_form, rel=1e-5)
     assert read.schur_quotient == pytest.approx(numpy_schur(c, v), rel=1e-9)
-    base = schur_quotient(torch.eye(d), gamma, 4 * d).schur_quotient
-    assert deepening(base, read.schur_quotient) == pytest.approx(1 / read.schur_quotient)
+    # against an isotropic baseline (s = 1): s_now = 1 / (v*^T C^-1 v*) / (tr C / d)
+    base = schur_quotient(torch.eye(d), gamma, 4 * d)
+    assert base.schur_complement == pytest.approx(1.0, rel=1e-10)
+    now = schur_quotient(torch.from_numpy(c), gamma, 4 * d, baseline=base)
+    s_ref = numpy_schur_complement(c, v)
+    assert now.schur_complement == pytest.approx(s_ref, rel=1e-9)
+    assert now.delta_gamma == pytest.approx(1 - s_ref, rel=1e-9) and now.delta_gamma > 0.999
+    assert now.deepening == pytest.approx(1 / s_ref, rel=1e-9)
+    assert deepening(1.0, now.schur_complement) == pytest.approx(now.deepening, rel=1e-12)
 
 
 def test_schur_quotient_falls_back_when_cholesky_fails():
@@ -379,3 +396,87 @@ def test_schur_quotient_lies_in_zero_one_on_random_spd(d, seed, spread):
     assert read.schur_quotient == pytest.approx(min(numpy_schur(c, v), 1.0), rel=1e-8)
     assert isinstance(schur_quotient(torch.from_numpy(c), gamma_read(gamma), 2 * d), type(read))
     assert isinstance(gamma_read(gamma), GammaRead)
+
+
+# ------------------------------------------------- Delta_gamma against a baseline (issue 18)
+def test_delta_gamma_is_zero_at_its_baseline_and_rises_as_a_direction_dies():
+    """The baseline read against itself: Delta_gamma = 0, deepening = 1 exactly. The same
+    inputs with the direction ``v*`` squeezed (a dead direction dug by training): s falls by the
+    squeeze, Delta_gamma -> 1; numpy float64 reference of s on the same covariance."""
+    d, n = 64, 16 * 64
+    gamma = make_gamma(d, seed=20)
+    x = make_inputs(d, n, seed=20).double()
+    base = schur_quotient(accumulate(x).covariance(), gamma, n)
+    again = schur_quotient(accumulate(x).covariance(), gamma, n, baseline=base)
+    assert again.delta_gamma == 0.0 and again.deepening == 1.0 and again.delta_reason is None
+    v = gamma_read(gamma).v_star.double()
+    squeeze = torch.eye(d, dtype=torch.float64) - (1 - 1e-3) * torch.outer(v, v)
+    acc = accumulate(x @ squeeze)
+    read = schur_quotient(acc.covariance(), gamma, n, baseline=base)
+    s_ref = numpy_schur_complement(acc.covariance().numpy(), v.numpy())
+    assert read.schur_complement == pytest.approx(s_ref, rel=1e-9)
+    assert read.delta_gamma == pytest.approx(1 - s_ref / base.schur_complement, rel=1e-9)
+    assert read.delta_gamma > 0.99 and read.deepening > 100
+    assert set(read.as_dict()) == {"schur_quotient", "schur_complement", "delta_gamma"}
+
+
+def test_rmsnorm_carries_no_delta_gamma():
+    d = 32
+    gamma = make_gamma(d, seed=21)
+    c = accumulate(make_inputs(d, 8 * d, seed=21)).covariance()
+    base = schur_quotient(c, gamma, 8 * d)
+    read = schur_quotient(c, gamma, 8 * d, declared_kind="rmsnorm", baseline=base)
+    assert read.reason == read.delta_reason == "no_gamma_kernel"
+    assert all(math.isnan(x) for x in (*read.as_dict().values(), read.deepening))
+    with pytest.raises(ValueError, match="declared_kind"):
+        schur_quotient(c, gamma, 8 * d, declared_kind="batchnorm")
+
+
+def test_delta_gamma_needs_comparable_row_counts():
+    """|d/N - d/N_base| <= 0.02: at d = 64, 1536 rows (0.042) compare with 2048 (0.031), not
+    with 512 (0.125). The Schur complement itself is still read."""
+    d = 64
+    gamma = make_gamma(d, seed=22)
+    x = make_inputs(d, 2048, seed=22)
+    base = schur_quotient(accumulate(x).covariance(), gamma, 2048)
+    near = schur_quotient(accumulate(x[:1536]).covariance(), gamma, 1536, baseline=base)
+    far = schur_quotient(accumulate(x[:512]).covariance(), gamma, 512, baseline=base)
+    assert near.delta_reason is None and math.isfinite(near.delta_gamma)
+    assert far.delta_reason == "rows_not_comparable" and math.isnan(far.delta_gamma)
+    assert math.isfinite(far.schur_complement) and math.isnan(far.deepening)
+    assert rows_comparable(2048, 2048, d) and not rows_comparable(0, 2048, d)
+    nan_base = dataclasses.replace(base, schur_complement=math.nan)
+    assert schur_quotient(
+        accumulate(x).covariance(), gamma, 2048, baseline=nan_base
+    ).delta_reason == ("baseline_unavailable")
+
+
+# ------------------------------------------------------ width-aware classifier (issue 18)
+@pytest.mark.parametrize("d", [32, 64, 128, 256, 512, 1024])
+def test_classifier_is_right_at_every_width_with_uneven_gammas(d):
+    """LayerNorm and RMSNorm (torch's own, float32) on anisotropic inputs with a channel
+    offset, gammas uniform in [0.1, 2] and log-normal (sigma 0.5): zero misclassified. The
+    old fixed 0.1 alignment cut called RMSNorm "indeterminate" here (alignment up to
+    4.7 / sqrt(d), measured); the cut min(0.9, 8 / sqrt(d)) and kernel_residual (LayerNorm
+    ~1e-15, RMSNorm >= 2.6e-3) separate them."""
+    n = 4 * d if d >= 512 else 8 * d
+    wrong = []
+    for seed in range(2 if d >= 512 else 3):
+        g = torch.Generator().manual_seed(seed)
+        a = torch.randn(d, d, generator=g) / math.sqrt(d) * torch.logspace(0, -1.5, d)
+        x = torch.randn(n, d, generator=g) @ a + 0.5 * torch.randn(d, generator=g)
+        gammas = (
+            0.1 + 1.9 * torch.rand(d, generator=g),
+            torch.exp(0.5 * torch.randn(d, generator=g)),
+        )
+        for gamma in gammas:
+            for kind, expect in (("layernorm", "layernorm-like"), ("rmsnorm", "rmsnorm-like")):
+                norm = torch.nn.LayerNorm(d) if kind == "layernorm" else torch.nn.RMSNorm(d)
+                with torch.no_grad():
+                    norm.weight.copy_(gamma)
+                    acc = accumulate(norm(x))
+                read = kernel_read(acc.covariance(), gamma, acc.count, declared_kind=kind)
+                if read.norm_class != expect or read.kind_mismatch:
+                    wrong.append((seed, kind, read.kernel_residual, read.gamma_alignment))
+    assert wrong == []
+    assert rmsnorm_alignment_max(d) == min(0.9, 8 / math.sqrt(d))

@@ -269,9 +269,11 @@ def test_baseline_gives_deepening_and_the_model_is_left_as_found() -> None:
     hooks = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
     assert hooks == []  # every hook removed
     for name, norm in later.norms.items():
-        r0, r1 = first.norms[name].schur.schur_quotient, norm.schur.schur_quotient
+        # deepening = s_baseline / s_now on the Schur complements (issue 18)
+        s0, s1 = first.norms[name].schur.schur_complement, norm.schur.schur_complement
         assert first.norms[name].deepening == 1.0  # no baseline: the first read is its own
-        assert norm.deepening == pytest.approx(r0 / r1, rel=1e-12)
+        assert norm.deepening == pytest.approx(s0 / s1, rel=1e-12)
+        assert norm.schur.delta_gamma == pytest.approx(1 - s1 / s0, rel=1e-12)
     capped = scan_model(model, batches_for("gpt2"), max_rows_per_batch=20)
     assert all(n.n_rows == 4 * 20 for n in capped.norms.values())
 

@@ -123,8 +123,8 @@ def test_compiled_model_reads_without_recompiling(how, eager_reads):
         expected = eager_reads[step]
         assert set(got) == set(expected)
         for key, value in expected.items():
-            if key.endswith("/deepening"):
-                continue  # its baseline is the first read: step 0 eager, step 1 compiled
+            if key.endswith(("/deepening", "/delta_gamma")):
+                continue  # their baseline is the first read: step 0 eager, step 1 compiled
             # the same float32 kernels as eager run them: identical
             assert got[key] == value or (value != value and got[key] != got[key]), key
     assert got["dd/model.ln_f/kernel_residual"] < 1e-12

@@ -21,6 +21,9 @@ from tests.scaleout.distributed_fits import (
     single_process_reads,
 )
 
+P0_MARGIN = "dd/model.h.0.ln_1/no_cancellation_margin"  # p_0: NaN by definition
+AGAINST_BASELINE = ("/delta_gamma", "/deepening")  # NaN when rows are not comparable
+
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}  # NaN/inf were written as repr strings
@@ -44,6 +47,11 @@ def test_reads_equal_the_single_process_reads_on_the_union_of_rows(distributed_r
         got = _floats(read["metrics"])
         assert set(got) == set(expected)
         for key, value in expected.items():
+            if math.isnan(value) and (key == P0_MARGIN or key.endswith(AGAINST_BASELINE)):
+                # p_0's margin: no sublayer before it; Delta_gamma/deepening: the windows'
+                # row counts differ (padding) beyond the rows rule -- NaN in both, as here
+                assert math.isnan(got[key]), key
+                continue
             assert math.isfinite(value), key
             assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-10), key
 
@@ -114,7 +122,9 @@ def test_only_rank_zero_writes_the_logs(distributed_run):
     rows = [row for row in log.history if "dd/sigma_min_ratio_min" in row]
     assert [row["step"] for row in rows] == [r["step"] for r in reads] == [1, 2, 4]
     for row, read in zip(rows, reads):
-        assert {k: row[k] for k in read["metrics"]} == _floats(read["metrics"])
+        logged, sent = {k: row[k] for k in read["metrics"]}, _floats(read["metrics"])
+        assert math.isnan(logged.pop(P0_MARGIN)) and math.isnan(sent.pop(P0_MARGIN))
+        assert logged == sent
     assert [(a["step"], a["title"]) for a in log.alerts] == [
         (4, "normscope: sigma_min_collapse at mlp")
     ]

@@ -170,6 +170,7 @@ class DeadDirectionMonitor(MonitorCallback):
         self.last_report: DeadDirectionReport | None = None
         self.alerts_fired: list[Alert] = []
         self._baselines: dict[str, float] = {}
+        self._rows: dict[str, int] = {}  # the rows each baseline was read on
 
     # ------------------------------------------------------------ lifecycle
     def _check_setup(self, trainer: Trainer) -> None:
@@ -196,6 +197,7 @@ class DeadDirectionMonitor(MonitorCallback):
         except NormDiscoveryError as err:
             raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
         self.tracker.baselines.update(self._baselines)
+        self.tracker.baseline_rows.update(self._rows)
         if self.kernel_rule is not None:
             self.kernel_rule.kinds = {key_path(n.name): n.kind for n in self.tracker.norms}
 
@@ -347,6 +349,7 @@ class DeadDirectionMonitor(MonitorCallback):
             "reads": self.reads,
             "last_read_step": self.last_read_step,
             "baselines": dict(baselines),
+            "baseline_rows": dict(self.tracker.baseline_rows if self.tracker else self._rows),
             "rules": [rule.state_dict() for rule in self.rules],
             "alerts_fired": [a.as_dict() for a in self.alerts_fired],
         }
@@ -355,8 +358,14 @@ class DeadDirectionMonitor(MonitorCallback):
         self.reads = int(state_dict.get("reads", 0))
         self.last_read_step = int(state_dict.get("last_read_step", -1))
         self._baselines = {str(k): float(v) for k, v in state_dict.get("baselines", {}).items()}
+        self._rows = {str(k): int(v) for k, v in state_dict.get("baseline_rows", {}).items()}
+        if "baseline_rows" not in state_dict:
+            # a version 1 checkpoint: its baselines are the old quotient R_q, not the Schur
+            # complement Delta_gamma compares; the next read starts a new baseline
+            self._baselines = {}
         if self.tracker is not None:
             self.tracker.baselines.update(self._baselines)
+            self.tracker.baseline_rows.update(self._rows)
         for rule, rule_state in zip(self.rules, state_dict.get("rules", [])):
             rule.load_state_dict(rule_state)
         self.alerts_fired = [Alert(**a) for a in state_dict.get("alerts_fired", [])]

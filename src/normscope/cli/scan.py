@@ -215,8 +215,11 @@ def scan_result(
                 "norm_class": n.kernel.norm_class,
                 "kind_mismatch": bool(n.kernel.kind_mismatch),
                 "schur_quotient": _num(n.schur.schur_quotient),
-                "delta_gamma": _num(n.schur.delta_gamma),
+                "schur_complement": _num(n.schur.schur_complement),
+                # against the random-init twin; with --baseline none there is nothing to compare
+                "delta_gamma": _num(n.schur.delta_gamma) if twin is not None else None,
                 "deepening": _num(n.deepening) if twin is not None else None,
+                "delta_reason": n.schur.delta_reason if twin is not None else "no_baseline",
                 "n_rows": n.n_rows,
                 "bottom_eigenvalues": [_num(v) for v in n.kernel.bottom_eigenvalues],
                 "reason": n.kernel.reason or n.schur.reason or n.gamma.reason,
@@ -226,13 +229,14 @@ def scan_result(
                     "gamma_alignment": _num(t.kernel.gamma_alignment),
                     "kernel_residual": _num(t.kernel.kernel_residual),
                     "schur_quotient": _num(t.schur.schur_quotient),
-                    "delta_gamma": _num(t.schur.delta_gamma),
+                    "schur_complement": _num(t.schur.schur_complement),
                 },
             }
         )
     profile = []
     twin_points = {p.name: p for p in twin.profile.points} if twin and twin.profile else {}
-    for p in report.profile.points if report.profile is not None else ():
+    margins = report.profile.no_cancellation_margin if report.profile is not None else ()
+    for p, margin in zip(report.profile.points if report.profile is not None else (), margins):
         tp = twin_points.get(p.name)
         profile.append(
             {
@@ -242,6 +246,7 @@ def scan_result(
                 "sigma_min": _num(p.sigma_min),
                 "sigma_min_ratio": _num(p.sigma_min_ratio),
                 "sigma_min_step": _num(p.sigma_min_step),
+                "no_cancellation_margin": _num(margin),
                 "n_rows": p.n_rows,
                 "reason": p.reason,
                 "baseline_ratio": _num(tp.sigma_min_ratio) if tp else None,

@@ -1,5 +1,6 @@
 """Pure math on tensors: accumulators and reads (METRICS.md). No hooks, no Lightning, no logging."""
 
+from normscope.functional.cancellation import StreamingCrossMoment, no_cancellation_margin
 from normscope.functional.covariance import (
     StreamingCovariance,
     symmetric_eigh,
@@ -13,6 +14,8 @@ from normscope.functional.dead_direction import (
     gamma_read,
     kernel_read,
     predicted_kernel,
+    rmsnorm_alignment_max,
+    rows_comparable,
     schur_quotient,
 )
 from normscope.functional.profile import (
@@ -25,7 +28,8 @@ from normscope.functional.profile import (
 
 __all__ = ["StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
 __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "kernel_read"]
-__all__ += ["predicted_kernel", "schur_quotient"]
+__all__ += ["predicted_kernel", "rmsnorm_alignment_max", "rows_comparable", "schur_quotient"]
+__all__ += ["StreamingCrossMoment", "no_cancellation_margin"]
 __all__ += ["ProfilePoint", "SigmaMinProfile", "cancellation_fraction", "sigma_min"]
 __all__ += ["sigma_min_profile"]
 

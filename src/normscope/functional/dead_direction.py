@@ -1,4 +1,4 @@
-"""The dead-direction reads of one norm layer: gamma, kernel, Schur quotient (METRICS.md §1.1–1.3).
+"""The dead-direction reads of one norm layer: gamma, kernel, Schur reads (METRICS.md §1.1–1.3).
 
 A LayerNorm outputs ``y = gamma * z + beta`` with ``sum_i z_i = 0``, so the centred output
 covariance ``C`` has ``C v* = 0`` exactly, ``v* = gamma^-1 / ||gamma^-1||``, whatever the data.
@@ -6,7 +6,8 @@ The reads here compare that prediction with a measured covariance:
 
 * :func:`gamma_read` -- parameters only: dead channels, ``v*``, the spread of ``gamma``;
 * :func:`kernel_read` -- the norm's *output* covariance against the predicted kernel;
-* :func:`schur_quotient` -- the norm's *input* covariance along ``v*``.
+* :func:`schur_quotient` -- the norm's *input* covariance along ``v*``: the quotient ``R``,
+  the Schur complement ``s`` and, against a baseline read, ``Delta_gamma`` and ``deepening``.
 
 Every read returns a frozen dataclass with ``as_dict()`` (floats keyed by the METRICS names,
 ``NaN`` where a number cannot be computed) and a ``reason`` attribute, never in ``as_dict``:
@@ -21,10 +22,17 @@ Every read returns a frozen dataclass with ``as_dict()`` (floats keyed by the ME
 * ``"non_finite_covariance"`` -- the covariance holds NaN/Inf;
 * ``"zero_covariance"`` -- ``lambda_d <= 0`` (Schur: ``trace <= 0``): every row is the same;
 * ``"eigh_failed"`` -- the eigensolver failed, even on the CPU;
-* ``"solve_failed"`` -- the Schur quotient's solve gave no finite positive number.
+* ``"solve_failed"`` -- the Schur quotient's solve gave no finite positive number;
+* ``"no_gamma_kernel"`` -- the layer is declared an RMSNorm: it does not centre, ``v*`` is no
+  kernel of its output, and the Schur reads along ``v*`` mean nothing (all NaN).
+
+``Delta_gamma`` and ``deepening`` have a reason of their own, :attr:`SchurRead.delta_reason`:
+the read's ``reason`` when ``s`` is NaN, ``"no_baseline"`` without a baseline,
+``"rows_not_comparable"`` when the read and its baseline rest on row counts too far apart
+(:func:`rows_comparable`), ``"baseline_unavailable"`` when the baseline's ``s`` is not finite.
 
 When several apply, the first is reported, in this order. :func:`schur_quotient`:
-``non_finite_gamma``, ``dead_channels``, ``insufficient_rows``, ``non_finite_covariance``,
+``no_gamma_kernel``, ``non_finite_gamma``, ``dead_channels``, ``insufficient_rows``, ``non_finite_covariance``,
 ``zero_covariance``, ``solve_failed``. :func:`kernel_read`: ``insufficient_rows``,
 ``non_finite_covariance``, ``zero_covariance``, ``eigh_failed``, then ``non_finite_gamma``
 (``null_dim`` and ``bottom_eigenvalues`` need no ``gamma`` and are still read) and
@@ -50,15 +58,27 @@ __all__ = [
     "gamma_read",
     "kernel_read",
     "predicted_kernel",
+    "rmsnorm_alignment_max",
+    "rows_comparable",
     "schur_quotient",
 ]
 
 NORM_CLASSES = ("layernorm-like", "rmsnorm-like", "indeterminate")
 DECLARED_KINDS = ("layernorm", "rmsnorm")
-# METRICS §1.2 thresholds of norm_class.
+# METRICS §1.2 thresholds of norm_class: kernel_residual decides (a LayerNorm's is ~1e-15 in a
+# float32 forward, ~1e-6 in bfloat16; an RMSNorm's 2.6e-3 .. 1.8e-2 measured at d = 32 .. 1024
+# with uneven gammas), the alignment is a second witness with a width-aware cut.
 LAYERNORM_RESIDUAL_MAX = 1e-8
 LAYERNORM_ALIGNMENT_MIN = 0.999
-RMSNORM_ALIGNMENT_MAX = 0.1
+RMSNORM_RESIDUAL_MIN = 1e-4
+# A random unit vector's overlap with a fixed one is about sqrt(2 / (pi d)) = 0.8 / sqrt(d);
+# with uneven gammas an RMSNorm's bottom eigenvector leans towards v* (measured up to
+# 4.7 / sqrt(d), d = 32 .. 1024): the cut is 8 / sqrt(d), never above 0.9.
+RMSNORM_ALIGNMENT_SCALE = 8.0
+RMSNORM_ALIGNMENT_CAP = 0.9
+# Delta_gamma compares Schur complements read on comparable row counts: the estimate from N rows
+# is biased low by about d / N (Wishart), so |d / N - d / N_baseline| must stay within this.
+ROWS_COMPARABLE_TOL = 0.02
 
 _NAN = math.nan
 
@@ -223,10 +243,13 @@ class KernelRead:
     * ``live_floor`` = smallest over mean eigenvalue of ``C`` restricted to the orthogonal
       complement of the predicted kernel. For a declared ``"rmsnorm"`` layer ``v*`` is no
       kernel, so only dead channels are removed (the whole space when there are none);
-    * ``norm_class``: ``"layernorm-like"`` when ``kernel_residual <= 1e-8`` and
-      ``gamma_alignment >= 0.999``, ``"rmsnorm-like"`` when ``gamma_alignment <= 0.1``, else
-      ``"indeterminate"`` -- also whenever ``reason`` is set: with dead channels both kinds
-      have the ``e_i`` in their kernel, so the kernel cannot tell them apart;
+    * ``norm_class``, decided by ``kernel_residual`` with the alignment as a second witness:
+      ``"layernorm-like"`` when ``kernel_residual <= 1e-8`` and ``gamma_alignment >= 0.999``;
+      ``"rmsnorm-like"`` when ``kernel_residual >= 1e-4`` and ``gamma_alignment <=``
+      :func:`rmsnorm_alignment_max` ``(d) = min(0.9, 8 / sqrt(d))`` (a cut that scales with a
+      random direction's overlap, ``~0.8 / sqrt(d)``); else ``"indeterminate"`` -- also
+      whenever ``reason`` is set: with dead channels both kinds have the ``e_i`` in their
+      kernel, so the kernel cannot tell them apart;
     * ``kind_mismatch``: ``declared_kind`` was given and ``norm_class`` is the *other* kind's
       class (``"indeterminate"`` is no mismatch).
 
@@ -349,7 +372,7 @@ def kernel_read(
         norm_class = "indeterminate"
     elif residual_f <= LAYERNORM_RESIDUAL_MAX and alignment_f >= LAYERNORM_ALIGNMENT_MIN:
         norm_class = "layernorm-like"
-    elif alignment_f <= RMSNORM_ALIGNMENT_MAX:
+    elif residual_f >= RMSNORM_RESIDUAL_MIN and alignment_f <= rmsnorm_alignment_max(d):
         norm_class = "rmsnorm-like"
     else:
         norm_class = "indeterminate"
@@ -360,6 +383,22 @@ def kernel_read(
         alignment_f, residual_f, null_dim, subspace_f, floor, norm_class, n, g.reason, bottom,
         mismatch, declared_kind,
     )  # fmt: skip
+
+
+def rmsnorm_alignment_max(d: int) -> float:
+    """The largest ``gamma_alignment`` an ``"rmsnorm-like"`` read may have at width ``d``:
+    ``min(0.9, 8 / sqrt(d))``.
+
+    A random direction's overlap with ``v*`` is about ``sqrt(2 / (pi d))``; a fixed cut (0.1)
+    called a third of the demo's RMSNorm reads indeterminate at d = 128. Measured with uneven
+    gammas (uniform in [0.1, 2], log-normal 0.3 and 0.5), d = 32 .. 1024: at most 4.7 / sqrt(d).
+
+    Example::
+
+        >>> rmsnorm_alignment_max(64), rmsnorm_alignment_max(1024)
+        (0.9, 0.25)
+    """
+    return min(RMSNORM_ALIGNMENT_CAP, RMSNORM_ALIGNMENT_SCALE / math.sqrt(d))
 
 
 def _restricted_floor(c: torch.Tensor, removed: torch.Tensor) -> float:
@@ -382,19 +421,62 @@ def _restricted_floor(c: torch.Tensor, removed: torch.Tensor) -> float:
 # -------------------------------------------------------------------------- §1.3 Schur
 @dataclass(frozen=True)
 class SchurRead:
-    """The Schur quotient of a norm's input covariance along ``v*`` (METRICS §1.3).
+    """The Schur reads of a norm's input covariance ``C_h`` along ``v*`` (METRICS §1.3).
 
-    ``schur_quotient`` ``R`` lies in ``(0, 1]`` (NaN when not computable, see ``reason``);
-    ``delta_gamma = 1 - R``. ``n_rows`` and ``reason`` are not in :meth:`as_dict`.
+    * ``schur_quotient`` ``R_q = 1 / ((v*^T C_h^-1 v*) (v*^T C_h v*))`` in ``(0, 1]``: 1 when
+      ``v*`` is an eigenvector of ``C_h``. Version 1 logged ``1 - R_q`` as ``Delta_gamma``; it
+      is kept under this key because it says how far ``v*`` is from an eigenvector, but it is
+      *not* near 0 at random init (``gamma = 1`` makes ``v*`` a generic direction, and ``R_q``
+      is then about the harmonic over the arithmetic mean of ``C_h``'s eigenvalues: measured
+      0.04-0.32 at init on the demo GPT).
+    * ``schur_complement`` ``s = [1 / (v*^T C_h^-1 v*)] / [tr(C_h) / d]``: the variance of
+      ``h`` along ``v*`` that the other directions cannot explain, in units of the mean
+      variance. Small when a near-dead direction of ``h`` overlaps ``v*``.
+    * ``delta_gamma = 1 - s / s_baseline`` and ``deepening = s_baseline / s``, against a
+      baseline read (the run's first read; for ``normscope scan`` the random-init twin): 0 and
+      1 at the baseline, ``delta_gamma -> 1`` as training digs the dead direction deeper.
+      NaN, with ``delta_reason``, when there is no baseline or the row counts are not
+      comparable (:func:`rows_comparable`).
+
+    ``reason`` explains a NaN ``schur_quotient``/``schur_complement``; ``n_rows``, ``reason``
+    and ``delta_reason`` are not in :meth:`as_dict` (``deepening`` is logged by the norm's
+    report, next to it).
     """
 
     schur_quotient: float
-    delta_gamma: float
+    schur_complement: float
     reason: str | None
     n_rows: int = 0
+    delta_gamma: float = _NAN
+    deepening: float = _NAN
+    delta_reason: str | None = "no_baseline"
 
     def as_dict(self) -> dict[str, float]:
-        return {"schur_quotient": self.schur_quotient, "delta_gamma": self.delta_gamma}
+        return {
+            "schur_quotient": self.schur_quotient,
+            "schur_complement": self.schur_complement,
+            "delta_gamma": self.delta_gamma,
+        }
+
+
+def rows_comparable(n_rows: int, baseline_rows: int, d: int) -> bool:
+    """Whether a Schur complement read on ``n_rows`` rows may be compared with one read on
+    ``baseline_rows``: ``|d / n_rows - d / baseline_rows| <= 0.02``.
+
+    The estimate of ``1 / (v*^T C^-1 v*)`` from ``N`` rows is biased low by about ``d / N``
+    (for independent Gaussian rows it is a Wishart Schur complement with ``N - d + 1`` degrees of
+    freedom); token rows are correlated, so the measured shift is larger (the demo's ``s`` moves
+    9-30% between 2k and 32k rows). Two reads whose ``d / N`` differ by at most 0.02 carry
+    nearly the same bias, so their ratio is training, not sampling.
+
+    Example::
+
+        >>> rows_comparable(2048, 2048, 128), rows_comparable(1024, 2048, 128)
+        (True, False)
+    """
+    if n_rows <= 0 or baseline_rows <= 0:
+        return False
+    return abs(d / n_rows - d / baseline_rows) <= ROWS_COMPARABLE_TOL
 
 
 def schur_quotient(
@@ -403,19 +485,23 @@ def schur_quotient(
     n_rows: int,
     *,
     ridge: float = 1e-12,
+    declared_kind: str | None = None,
+    baseline: SchurRead | None = None,
 ) -> SchurRead:
-    """``R(h) = 1 / ((v*^T C_h^-1 v*) (v*^T C_h v*))`` and ``Delta_gamma = 1 - R``.
+    """The Schur reads of ``C_h`` along ``v*``: ``R_q``, ``s`` and, with a baseline, ``Delta_gamma``.
 
-    The paper's body was not available to us: this formula is the project's reading of the
-    paper's name ("Schur quotient"), and the README says so. ``1 / (v*^T C_h^-1 v*)`` is the
-    Schur complement of ``C_h`` along ``v*`` (the variance of ``h`` along ``v*`` that the
-    other directions cannot explain), ``v*^T C_h v*`` the whole variance along ``v*``: ``R = 1``
-    when ``v*`` is an eigenvector of ``C_h``, ``R -> 0`` when near-dead directions of ``h``
-    overlap ``v*``.
+    ``R_q = 1 / ((v*^T C_h^-1 v*) (v*^T C_h v*))``, ``s = [1 / (v*^T C_h^-1 v*)] / [tr(C_h)/d]``,
+    ``Delta_gamma = 1 - s / s_baseline``, ``deepening = s_baseline / s`` (:class:`SchurRead`).
+    The paper's body was not available to us: these formulas are the project's reading of its
+    words ("Schur quotient", ``Delta_gamma ~ 0`` at random init and ``~ 1`` trained, dead
+    directions ``~10^3`` deeper), and the README says so. ``1 / (v*^T C_h^-1 v*)`` is the Schur
+    complement of ``C_h`` along ``v*`` (the variance of ``h`` along ``v*`` that the other
+    directions cannot explain). On the demo GPT (4 x 128, LayerNorm) the deep layers' ``s``
+    falls by three orders of magnitude in the first 50 steps (README, "Dead directions").
 
-    Both factors are taken on the ridged matrix ``C_h + ridge * trace(C_h) / d * I`` (so that
-    Cauchy-Schwarz keeps ``R <= 1`` exactly and an exact eigenvector gives ``R = 1``); the
-    inverse quadratic form is ``||L^-1 v*||^2`` from a float64 Cholesky factor ``L``. If the
+    Both quadratic forms are taken on the ridged matrix ``C_h + ridge * trace(C_h) / d * I``
+    (so that Cauchy-Schwarz keeps ``R_q <= 1`` exactly and an exact eigenvector gives 1); the
+    inverse form is ``||L^-1 v*||^2`` from a float64 Cholesky factor ``L``. If the
     factorisation fails (``ridge = 0`` on a singular matrix, say) it falls back to an
     eigendecomposition with eigenvalues floored at ``max(ridge * trace / d, d eps lambda_d)``.
 
@@ -424,6 +510,10 @@ def schur_quotient(
         gamma: the norm's effective scale ``(d,)`` or its :class:`GammaRead`.
         n_rows: rows behind ``C_h``; below ``2 d`` the read is NaN.
         ridge: relative ridge (default 1e-12, METRICS §1.3).
+        declared_kind: ``"rmsnorm"`` makes every number NaN (reason ``"no_gamma_kernel"``):
+            an RMSNorm does not centre, so ``v*`` is no kernel of it.
+        baseline: the read ``Delta_gamma`` and ``deepening`` are measured against (None: they
+            are NaN, ``delta_reason = "no_baseline"``).
 
     Returns:
         A :class:`SchurRead`.
@@ -431,9 +521,14 @@ def schur_quotient(
     Example::
 
         >>> import torch
-        >>> read = schur_quotient(torch.diag(torch.tensor([1.0, 2.0, 3.0])), torch.ones(3), 6)
-        >>> round(read.schur_quotient, 6), read.reason   # 1 / (2 * 11/18) = 9/11
-        (0.818182, None)
+        >>> c = torch.diag(torch.tensor([1.0, 2.0, 3.0]))
+        >>> read = schur_quotient(c, torch.ones(3), 6)
+        >>> round(read.schur_quotient, 6), round(read.schur_complement, 6)  # 9/11, (18/11)/2
+        (0.818182, 0.818182)
+        >>> deeper = schur_quotient(c * torch.tensor([1.0, 1.0, 1e-3]), torch.ones(3), 6,
+        ...                         baseline=read)
+        >>> round(deeper.delta_gamma, 3), round(deeper.deepening, 1), deeper.delta_reason
+        (0.989, 91.4, None)
     """
     c = square_matrix(input_covariance, "schur_quotient", "input_covariance")
     d = c.shape[0]
@@ -441,10 +536,21 @@ def schur_quotient(
     n = row_count(n_rows, "schur_quotient")
     if not (isinstance(ridge, (int, float)) and math.isfinite(ridge) and ridge >= 0):
         raise ValueError(f"schur_quotient: ridge must be a finite number >= 0, got {ridge!r}")
+    if declared_kind is not None and declared_kind not in DECLARED_KINDS:
+        raise ValueError(
+            f"schur_quotient: declared_kind must be None or one of {DECLARED_KINDS}, "
+            f"got {declared_kind!r}"
+        )
+    if baseline is not None and not isinstance(baseline, SchurRead):
+        raise ValueError(
+            f"schur_quotient: baseline must be a SchurRead or None, got {type(baseline).__name__}"
+        )
 
     def empty(reason: str) -> SchurRead:
-        return SchurRead(_NAN, _NAN, reason, n)
+        return SchurRead(_NAN, _NAN, reason, n, delta_reason=reason)
 
+    if declared_kind == "rmsnorm":
+        return empty("no_gamma_kernel")
     if g.reason is not None:  # non_finite_gamma or dead_channels: no v*
         return empty(g.reason)
     if n < 2 * d:
@@ -473,24 +579,32 @@ def schur_quotient(
     if not (math.isfinite(r) and r > 0):
         return empty("solve_failed")
     r = min(r, 1.0)  # Cauchy-Schwarz gives <= 1; rounding can add an ulp
-    return SchurRead(r, 1.0 - r, None, n)
+    s = (1.0 / inv_form) / (trace / d)
+    if baseline is None:
+        return SchurRead(r, s, None, n)
+    s_base = baseline.schur_complement
+    if not (math.isfinite(s_base) and s_base > 0):
+        return SchurRead(r, s, None, n, delta_reason="baseline_unavailable")
+    if not rows_comparable(n, baseline.n_rows, d):
+        return SchurRead(r, s, None, n, delta_reason="rows_not_comparable")
+    return SchurRead(r, s, None, n, 1.0 - s / s_base, s_base / s, None)
 
 
-def deepening(r_baseline: float, r_now: float) -> float:
-    """``R_baseline / R_now``: how much deeper the dead directions are than at the baseline.
+def deepening(s_baseline: float, s_now: float) -> float:
+    """``s_baseline / s_now``: how much deeper the dead direction is than at the baseline.
 
     Args:
-        r_baseline: the first read's (or a random re-initialisation's) Schur quotient.
-        r_now: the current Schur quotient.
+        s_baseline: the baseline read's Schur complement (:attr:`SchurRead.schur_complement`).
+        s_now: the current one.
 
     Returns:
-        The ratio; NaN when either is not finite or ``r_now <= 0``.
+        The ratio; NaN when either is not finite or ``s_now <= 0``.
 
     Example::
 
         >>> deepening(0.5, 0.005)
         100.0
     """
-    if not (math.isfinite(r_baseline) and math.isfinite(r_now) and r_now > 0):
+    if not (math.isfinite(s_baseline) and math.isfinite(s_now) and s_now > 0):
         return _NAN
-    return r_baseline / r_now
+    return s_baseline / s_now

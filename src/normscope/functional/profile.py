@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from einops import rearrange
@@ -100,24 +100,54 @@ class SigmaMinProfile:
     ``sigma_min_ratio_min`` and ``worst_point`` are taken over ``p_1, ..., p_L`` (``p_0``'s
     ratio is 1 by definition), NaN points ignored; so ``worst_point``'s ratio is
     ``sigma_min_ratio_min``. ``reason`` is None when that minimum exists.
+
+    ``no_cancellation_margin`` is aligned with ``points``: ``lambda_min(M_k) /
+    lambda_min(S_{k-1})`` (:mod:`normscope.functional.cancellation`), NaN for ``p_0`` and
+    wherever it is unknown; all NaN unless the tracker measured it (``margin_measured``).
     """
 
     points: tuple[ProfilePoint, ...]
     sigma_min_ratio_min: float
     worst_point: str | None
     reason: str | None
+    no_cancellation_margin: tuple[float, ...] = ()
+    margin_measured: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        margins = self.no_cancellation_margin
+        if not isinstance(margins, tuple):
+            margins = tuple(map(float, margins))
+        if margins and len(margins) != len(self.points):
+            raise ValueError(
+                f"SigmaMinProfile: {len(margins)} margins for {len(self.points)} points"
+            )
+        object.__setattr__(self, "margin_measured", bool(margins))
+        if not margins:
+            margins = (_NAN,) * len(self.points)
+        object.__setattr__(self, "no_cancellation_margin", margins)
+
+    @property
+    def no_cancellation_margin_min(self) -> float:
+        """The smallest finite margin over the points (NaN when none is known)."""
+        known = [m for m in self.no_cancellation_margin if math.isfinite(m)]
+        return min(known) if known else _NAN
 
     def as_dict(self) -> dict[str, float]:
         """Flat: ``<point>/sigma_min``, ``<point>/sigma_min_ratio``, ``<point>/sigma_min_step``
         and ``<point>/depth`` (its index ``k``, so that a log alone gives the forward order) for
-        every point, and ``sigma_min_ratio_min``."""
+        every point, and ``sigma_min_ratio_min``; when the margin was measured also
+        ``<point>/no_cancellation_margin`` and ``no_cancellation_margin_min``."""
         out: dict[str, float] = {}
-        for p in self.points:
+        for p, margin in zip(self.points, self.no_cancellation_margin):
             out[f"{p.name}/sigma_min"] = p.sigma_min
             out[f"{p.name}/sigma_min_ratio"] = p.sigma_min_ratio
             out[f"{p.name}/sigma_min_step"] = p.sigma_min_step
             out[f"{p.name}/depth"] = float(p.depth)
+            if self.margin_measured:
+                out[f"{p.name}/no_cancellation_margin"] = margin
         out["sigma_min_ratio_min"] = self.sigma_min_ratio_min
+        if self.margin_measured:
+            out["no_cancellation_margin_min"] = self.no_cancellation_margin_min
         return out
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normscope.functional.cancellation import no_cancellation_margin
 from normscope.functional.dead_direction import (
     GammaRead,
     KernelRead,
@@ -113,6 +114,8 @@ class DeadDirectionReport:
             steps = [p.sigma_min_step for p in self.profile.points[1:]]
             steps = [s for s in steps if math.isfinite(s)]
             out[f"{FAMILY}/sigma_min_step_min"] = min(steps) if steps else math.nan
+            # dd/<point>/no_cancellation_margin and dd/no_cancellation_margin_min come with
+            # the profile's keys when the margin was measured
         out[f"{FAMILY}/rows_rejected"] = float(self.rows_rejected)
         # layers (norms, residual points, the profile) no longer read after a failure
         out[f"{FAMILY}/reads_disabled"] = float(
@@ -153,6 +156,10 @@ class DeadDirectionTracker:
             :meth:`memory_bytes` stays within the budget.
         null_tol: ``tau`` of ``null_dim`` (METRICS §1.2); raise it for bf16 forwards (~1e-4).
         seed: seed of the row subsampling.
+        margin: also measure the no-cancellation margin between consecutive residual points
+            (:mod:`normscope.functional.cancellation`: one more ``8 d^2`` per point; under
+            ``max_memory`` it is kept after the profile and before the norm layers, whole or
+            not at all). The residual points always fold the same sampled rows.
 
     Example::
 
@@ -175,8 +182,10 @@ class DeadDirectionTracker:
         null_tol: float = 1e-10,
         seed: int = 0,
         max_memory: int | None = None,
+        margin: bool = True,
     ) -> None:
         self.model = model
+        self.margin = margin
         self.layers = layers
         self.residual = residual
         self.null_tol = null_tol
@@ -188,7 +197,9 @@ class DeadDirectionTracker:
         self.skipped_points: list[str] = []
         self.failed_reads: dict[str, str] = {}
         self.layout: ResidualLayout | None = None
+        # Delta_gamma's baseline per norm: its Schur complement s and the rows it was read on
         self.baselines: dict[str, float] = {}
+        self.baseline_rows: dict[str, int] = {}
         self._norm_taps: dict[str, tuple[Tap, Tap]] = {}
         self._point_taps: list[Tap] = []
         self._gammas: dict[str, torch.Tensor] = {}
@@ -232,6 +243,9 @@ class DeadDirectionTracker:
             self._point_taps = [
                 self.taps.add(p.module_name, p.where, width) for p in self.layout.points
             ]
+            if len({t.key for t in self._point_taps}) == len(self._point_taps):
+                cross = self.margin and len(self._point_taps) > 1
+                self.taps.chain_points(self._point_taps, cross=cross)
         self.attached = True
 
     def _apply_budget(self, budget: int) -> None:
@@ -240,10 +254,12 @@ class DeadDirectionTracker:
         points = self.layout.points if self.layout is not None else ()
         width = _stream_width(self.norms, self.layout) if points else 0
         self._width = width or None
-        full = _tap_cost(self.norms, points, width)
+        links = self.margin and len(points) > 1
+        full = _tap_cost(self.norms, points, width, links)
         total_norms = len(self.norms)
-        norms, kept = _plan_budget(self.norms, points, width, budget)
-        if len(norms) == len(self.norms) and len(kept) == len(points):
+        norms, kept, links_kept = _plan_budget(self.norms, points, width, budget, links)
+        self.margin = links_kept
+        if len(norms) == len(self.norms) and len(kept) == len(points) and links_kept == links:
             return
         self.skipped_norms = [n.name for n in self.norms if n not in norms]
         kept_names = {p.name for p in kept}
@@ -266,8 +282,9 @@ class DeadDirectionTracker:
             f"layers and {len(points)} residual points need {_fmt_bytes(full)}, over "
             f"max_memory={_fmt_bytes(budget)}; reading {len(norms)} of {total_norms} norm layers "
             f"and {len(kept)} of {len(points)} residual points, at a stride over depth "
-            f"({_fmt_bytes(_tap_cost(norms, kept, width))}); left out: norm layers "
-            f"{names(self.skipped_norms)}; residual points {names(self.skipped_points)}",
+            f"({_fmt_bytes(_tap_cost(norms, kept, width, links_kept))}); left out: norm layers "
+            f"{names(self.skipped_norms)}; residual points {names(self.skipped_points)}"
+            + ("; the no-cancellation margin (not read)" if links and not links_kept else ""),
             RuntimeWarning,
             stacklevel=3,
         )
@@ -306,6 +323,9 @@ class DeadDirectionTracker:
         if reduce:
             for tap in self.taps.taps.values():  # same order on every rank
                 tap.accumulator.reduce_()
+            # every rank holds the same cross-moments (a local failure only stops reading them)
+            for acc in self.taps.chain.cross if self.taps.chain is not None else ():
+                acc.reduce_()
         norms: dict[str, NormReport] = {}
         for norm in self.norms:
             tap_in, tap_out = self._norm_taps[norm.name]
@@ -349,42 +369,71 @@ class DeadDirectionTracker:
             null_tol=self.null_tol,
             declared_kind=norm.kind,
         )
-        schur = schur_quotient(tap_in.accumulator.covariance(), g, n_in)
-        r_now = schur.schur_quotient
-        if norm.name not in self.baselines and math.isfinite(r_now):
-            self.baselines[norm.name] = r_now  # METRICS §1.3: the run's first read
-        r_base = self.baselines.get(norm.name, math.nan)
-        deepening = r_base / r_now if math.isfinite(r_now) and r_now > 0 else math.nan
-        return NormReport(norm.name, norm.kind, g, kernel, schur, deepening, n_out)
+        base = None
+        if norm.name in self.baselines:
+            rows = self.baseline_rows.get(norm.name, n_in)
+            base = SchurRead(math.nan, self.baselines[norm.name], None, rows)
+        cov_in = tap_in.accumulator.covariance()
+        schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=base)
+        if base is None and math.isfinite(schur.schur_complement):
+            # METRICS §1.3: the run's first read (scan: the random-init twin's) is the baseline
+            self.baselines[norm.name] = schur.schur_complement
+            self.baseline_rows[norm.name] = n_in
+            schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=schur)
+        return NormReport(norm.name, norm.kind, g, kernel, schur, schur.deepening, n_out)
 
     def _read_profile(self) -> SigmaMinProfile | None:
         if self.layout is None or not self._point_taps:
             return None
         points = self.layout.points
-        return sigma_min_profile(
+        moments = [t.accumulator.second_moment() for t in self._point_taps]
+        profile = sigma_min_profile(
             [p.name for p in points],
-            [t.accumulator.second_moment() for t in self._point_taps],
+            moments,
             [t.accumulator.count for t in self._point_taps],
             [p.sublayer for p in points],
         )
+        cross = self._cross()
+        if len(cross) != len(points) - 1:
+            return profile
+        margins = [math.nan]  # p_0: nothing before it
+        for k, acc in enumerate(cross, start=1):
+            margins.append(no_cancellation_margin(acc.moment(), moments[k - 1], acc.count)[0])
+        return dataclasses.replace(profile, no_cancellation_margin=tuple(margins))
+
+    def _cross(self) -> list:
+        chain = self.taps.chain
+        if chain is None or chain.cross_failed is not None:
+            return []
+        return chain.cross
 
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
         """Baselines and the open window's accumulators."""
         return {
             "baselines": dict(self.baselines),
+            "baseline_rows": dict(self.baseline_rows),
             "taps": {
                 f"{k[0]}|{k[1]}": t.accumulator.state_dict() for k, t in self.taps.taps.items()
             },
+            "cross": [acc.state_dict() for acc in self._cross()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.baselines = dict(state.get("baselines", {}))
+        # without baseline_rows the state is version 1's: its baselines are another quantity
+        has_rows = "baseline_rows" in state
+        self.baselines = dict(state.get("baselines", {})) if has_rows else {}
+        self.baseline_rows = {k: int(v) for k, v in state.get("baseline_rows", {}).items()}
         for key, acc_state in state.get("taps", {}).items():
             name, where = key.rsplit("|", 1)
             tap = self.taps.taps.get((name, where))
             if tap is not None and int(acc_state["dim"]) == tap.dim:
                 tap.accumulator.load_state_dict(acc_state)
+        cross, saved = self._cross(), state.get("cross", [])
+        if len(saved) == len(cross):
+            for acc, acc_state in zip(cross, saved):
+                if int(acc_state["dim"]) == acc.dim:
+                    acc.load_state_dict(acc_state)
 
     def memory_bytes(self) -> int:
         return self.taps.memory_bytes()
@@ -449,15 +498,22 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _tap_cost(norms: Sequence[NormLayer], points: Sequence[ResidualPoint], width: int) -> int:
+def _tap_cost(
+    norms: Sequence[NormLayer],
+    points: Sequence[ResidualPoint],
+    width: int,
+    links: bool = False,
+) -> int:
     """Bytes of the co-moments of every distinct tap (``8 d^2`` each; a point that is a norm's
-    input shares that norm's input tap)."""
+    input shares that norm's input tap), and with ``links`` the cross-moments between
+    consecutive points (``8 d^2`` each)."""
     keys: dict[tuple[str, str], int] = {}
     for n in norms:
         keys[(n.name, "input")] = keys[(n.name, "output")] = n.dim
     for p in points:
         keys.setdefault((p.module_name, p.where), width)
-    return sum(8 * d * d for d in keys.values())
+    cross = 8 * width * width * (len(points) - 1) if links and len(points) > 1 else 0
+    return sum(8 * d * d for d in keys.values()) + cross
 
 
 def _thin_points(points: Sequence[ResidualPoint], kept: Sequence[int]) -> list[ResidualPoint]:
@@ -476,14 +532,20 @@ def _thin_points(points: Sequence[ResidualPoint], kept: Sequence[int]) -> list[R
 
 
 def _plan_budget(
-    norms: list[NormLayer], points: Sequence[ResidualPoint], width: int, budget: int
-) -> tuple[list[NormLayer], list[ResidualPoint]]:
+    norms: list[NormLayer],
+    points: Sequence[ResidualPoint],
+    width: int,
+    budget: int,
+    links: bool = False,
+) -> tuple[list[NormLayer], list[ResidualPoint], bool]:
     """What fits in ``budget`` bytes: the residual profile first (the collapse alarm; at a
-    stride over depth, first and last point kept, when it alone is over), then norm layers at
-    the smallest stride over depth that fits in what is left (the final norm kept when it fits).
+    stride over depth, first and last point kept, when it alone is over), then (``links``) the
+    cross-moments between its kept points if they all fit, then norm layers at the smallest
+    stride over depth that fits in what is left (the final norm kept when it fits). Returns the
+    norms, the points and whether the cross-moments are kept.
     """
-    if _tap_cost(norms, points, width) <= budget:
-        return norms, list(points)
+    if _tap_cost(norms, points, width, links) <= budget:
+        return norms, list(points), links
     kept_points: list[ResidualPoint] = list(points)
     if _tap_cost([], points, width) > budget:
         kept_points = []
@@ -497,12 +559,13 @@ def _plan_budget(
         if not kept_points and len(points) >= 2:
             ends = _thin_points(points, [0, len(points) - 1])
             kept_points = ends if _tap_cost([], ends, width) <= budget else []
+    links = links and len(kept_points) > 1 and _tap_cost([], kept_points, width, True) <= budget
     chosen: list[NormLayer] = []
     for stride in range(1, len(norms) + 1):
         candidate = norms[::stride]
         if norms[-1] not in candidate:
             candidate = [*candidate[:-1], norms[-1]] if len(candidate) > 1 else [norms[-1]]
-        if _tap_cost(candidate, kept_points, width) <= budget:
+        if _tap_cost(candidate, kept_points, width, links) <= budget:
             chosen = candidate
             break
-    return chosen, kept_points
+    return chosen, kept_points, links

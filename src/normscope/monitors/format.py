@@ -62,12 +62,15 @@ def format_table(report: DeadDirectionReport) -> str:
     if report.profile is not None:
         lines.append("")
         lines.append(
-            f"{'residual point':<40} {'sublayer':<8} {'sigma_min':>10} {'ratio':>7} {'step':>7}"
+            f"{'residual point':<40} {'sublayer':<8} {'sigma_min':>10} {'ratio':>7} {'step':>7} "
+            f"{'margin':>9}"
         )
-        for p in report.profile.points:
+        margins = report.profile.no_cancellation_margin
+        for p, margin in zip(report.profile.points, margins):
             lines.append(
                 f"{p.name[-40:]:<40} {p.sublayer or '-':<8} {_f(p.sigma_min, '.4g'):>10} "
-                f"{_f(p.sigma_min_ratio, '.3f'):>7} {_f(p.sigma_min_step, '.3f'):>7}"
+                f"{_f(p.sigma_min_ratio, '.3f'):>7} {_f(p.sigma_min_step, '.3f'):>7} "
+                f"{_f(margin, '.3g'):>9}"
             )
     return "\n".join(lines)
 

@@ -57,8 +57,9 @@ def scan_model(
         residual: also read the residual stream's ``sigma_min`` depth profile.
         max_rows_per_batch: rows kept per tapped tensor per batch (``None``: all).
         null_tol: ``tau`` of ``null_dim``.
-        baseline: an earlier report (e.g. of the same architecture at random init) whose Schur
-            quotients are the baseline of ``deepening``.
+        baseline: an earlier report (e.g. of the same architecture at random init, as
+            ``normscope scan`` does) whose Schur complements are the baseline of ``delta_gamma``
+            and ``deepening``; without one the scan is its own baseline (``delta_gamma`` 0).
         max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor), as the
             monitor's: over it, points and layers are read at a stride over depth and a warning
             names what was left out (those are missing from the report).
@@ -90,8 +91,12 @@ def scan_model(
     try:
         tracker.attach(forward=lambda: call_model(model, batches[0]))
         if baseline is not None:
+            # Delta_gamma against the baseline's Schur complements, on its row counts
             tracker.baselines = {
-                name: norm.schur.schur_quotient for name, norm in baseline.norms.items()
+                name: norm.schur.schur_complement for name, norm in baseline.norms.items()
+            }
+            tracker.baseline_rows = {
+                name: norm.schur.n_rows for name, norm in baseline.norms.items()
             }
         for batch in batches:
             with tracker.gate.sampling(mask=batch_mask(batch)):

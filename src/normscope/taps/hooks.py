@@ -11,7 +11,9 @@ On a sampled forward a hook folds its tensor's rows into a :class:`StreamingCova
 tensor's own device, with the batch's padding mask when the caller supplied one
 (:meth:`Gate.sampling`). A forward re-run by activation checkpointing (inside backward) is
 skipped, so no row is counted twice. If a hook raises, it warns once naming the tap, disables
-that tap alone, and training goes on.
+that tap alone, and training goes on. The residual points' taps fold through a
+:class:`~normscope.taps.chain.PointChain` (:meth:`TapSet.chain_points`): one row subset per
+forward for all of them, and the cross-moments between neighbours.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from normscope.functional.covariance import StreamingCovariance
+from normscope.taps.chain import PointChain
 from normscope.taps.residual import tap_input, tap_output
 
 __all__ = ["Gate", "Tap", "TapSet", "in_backward_recompute"]
@@ -113,6 +116,7 @@ class TapSet:
         self.seed = seed
         self.taps: dict[tuple[str, str], Tap] = {}
         self._handles: list[Any] = []
+        self.chain: PointChain | None = None  # the residual points: same rows, cross-moments
 
     def add(self, module_name: str, where: str, dim: int) -> Tap:
         """Tap the input (``where="input"``) or output of ``module_name``; idempotent per key."""
@@ -137,6 +141,25 @@ class TapSet:
         self.taps[key] = tap
         self._handles.append(handle)
         return tap
+
+    def chain_points(
+        self,
+        taps: list[Tap],
+        *,
+        max_rows: int | None | str = "same",
+        seed: int | None = None,
+        cross: bool = True,
+    ) -> PointChain:
+        """Make ``taps`` (residual points, in forward order) fold the same rows each forward
+        and, with ``cross``, accumulate the cross-moments between neighbours
+        (:class:`~normscope.taps.chain.PointChain`; defaults: this set's ``max_rows``, ``seed``)."""
+        self.chain = PointChain(
+            taps,
+            max_rows=self.max_rows if max_rows == "same" else max_rows,
+            seed=self.seed if seed is None else seed,
+            cross=cross,
+        )
+        return self.chain
 
     def _pre_hook(self, tap: Tap):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -173,6 +196,9 @@ class TapSet:
             mask = self.gate.mask
             if mask is not None and tuple(mask.shape) != tuple(x.shape[:-1]):
                 mask = None  # a tensor not laid out (batch, tokens, d): no padding to skip
+            if self.chain is not None and tap.key in self.chain:
+                self.chain.fold(tap, x, mask)  # one row subset for every residual point
+                return
             if x.device != tap.accumulator.device:
                 tap.accumulator.to(x.device)
             tap.accumulator.update(x, mask=mask)
@@ -202,6 +228,8 @@ class TapSet:
         """Start a new window: every accumulator forgets its rows."""
         for tap in self.taps.values():
             tap.accumulator.reset()
+        if self.chain is not None:
+            self.chain.reset()
 
     def remove(self) -> None:
         """Remove every hook this set registered (the accumulators stay readable)."""
@@ -213,8 +241,10 @@ class TapSet:
         return len(self.taps)
 
     def memory_bytes(self) -> int:
-        """Bytes held by the accumulators' co-moments (``8 d^2`` each)."""
-        return sum(8 * t.dim * t.dim for t in self.taps.values())
+        """Bytes held by the accumulators' co-moments and the chain's cross-moments
+        (``8 d^2`` each)."""
+        chain = self.chain.memory_bytes() if self.chain is not None else 0
+        return sum(8 * t.dim * t.dim for t in self.taps.values()) + chain
 
 
 def _module_device(module: nn.Module, model: nn.Module) -> torch.device:
