@@ -10,6 +10,7 @@ does to its GPT): every loop must alert at its first read.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,18 @@ def family_only(metrics: dict[str, Any], family: str, prefix: str = "") -> dict[
                 key = head + key[len(head) + len(prefix) :]
             out[key] = float(value)
     return out
+
+
+def same_float(a: float, b: float) -> bool:
+    """Bit-for-bit equality that counts NaN (a read with a reason) as equal to NaN."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def same_reads(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> bool:
+    """Two ``{step: {key: value}}`` logs equal key for key and bit for bit (NaN == NaN)."""
+    return a.keys() == b.keys() and all(
+        a[s].keys() == b[s].keys() and all(same_float(a[s][k], b[s][k]) for k in a[s]) for s in a
+    )
 
 
 def monitor_cls(family: str) -> type:
