@@ -297,6 +297,8 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
         shown, low, floor = log_floor(values)
         ok = np.isfinite(shown)
         base = min(floor, lines[0][0] / 100) / 3  # the threshold line always in view
+        top_y = max(1.0, float(np.nanmax(shown)) if ok.any() else 1.0) * 3
+        ax.set_ylim(base, top_y)  # before any artist: an axis of lines alone has no span
         ax.vlines(x[ok], base, shown[ok], colors=colours[ok], lw=2.5, zorder=2)
         ax.scatter(x[ok & ~low], shown[ok & ~low], color=colours[ok & ~low], s=22, zorder=3)
         if low.any():
@@ -310,8 +312,6 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
         if ax is top and dims:
             rand = 1 - 1 / math.sqrt(max(dims))
             ax.axhline(rand, color="0.4", lw=0.8, ls=":", label="1 - 1/sqrt(d): a random v*")
-        top_y = max(1.0, float(np.nanmax(shown)) if ok.any() else 1.0) * 3
-        ax.set_ylim(base, top_y)
         ax.axhspan(lines[0][0], top_y, color="tab:red", alpha=0.06, lw=0)
         ax.text(0.005, lines[0][0] * 2, above, transform=ax.get_yaxis_transform(), fontsize=7,
                 color="tab:red", va="bottom", zorder=5,

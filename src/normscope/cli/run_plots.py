@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from normscope.cli.plots import ALERT_RATIO, log_floor, new_figure, save, short_names, titled
 
@@ -21,6 +22,7 @@ __all__ = [
     "plot_norm_metrics",
     "plot_run_profile",
     "plot_sigma_over_steps",
+    "run_profile_figure",
 ]
 
 Reads = Mapping[float, Mapping[str, float]]
@@ -186,7 +188,20 @@ def plot_run_profile(
     title: str,
 ) -> Path:
     """The ``sigma_min`` ratio against depth at a few steps (colour by step; a read at an
-    alert drawn in red), the floor at 1 and the alert threshold."""
+    alert drawn in red), the floor at 1 and the alert threshold; the depth axis says whether
+    the order was logged or inferred (:func:`depth_axis_label`)."""
+    return save(run_profile_figure(reads, points, steps, alert_steps, title=title), path)
+
+
+def run_profile_figure(
+    reads: Reads,
+    points: Sequence[str],
+    steps: Sequence[float],
+    alert_steps: Sequence[float],
+    *,
+    title: str,
+) -> Figure:
+    """The figure :func:`plot_run_profile` saves."""
     fig = new_figure()
     ax = fig.add_subplot()
     depth = np.arange(len(points))
@@ -213,7 +228,7 @@ def plot_run_profile(
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
-    return save(fig, path)
+    return fig
 
 
 def plot_norm_metrics(

@@ -18,7 +18,6 @@ from normscope.functional.dead_direction import (
 from normscope.functional.profile import (
     ProfilePoint,
     SigmaMinProfile,
-    cancellation_fraction,
     sigma_min,
     sigma_min_profile,
 )
@@ -26,7 +25,7 @@ from normscope.functional.profile import (
 __all__ = ["StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
 __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "kernel_read"]
 __all__ += ["predicted_kernel", "schur_quotient"]
-__all__ += ["ProfilePoint", "SigmaMinProfile", "cancellation_fraction", "sigma_min"]
+__all__ += ["ProfilePoint", "SigmaMinProfile", "sigma_min"]
 __all__ += ["sigma_min_profile"]
 
 from normscope.functional.sign_magnitude import (  # noqa: E402
