@@ -61,3 +61,29 @@ def load_json(path: Path) -> dict[str, Any]:
         raise AssertionError(f"{path}: non-standard JSON constant {token}")
 
     return json.loads(Path(path).read_text(), parse_constant=refuse)
+
+
+def png_pixels(path: Path) -> Any:
+    """The PNG's RGB pixels as ``(height, width, 3)`` uint8, read back by matplotlib."""
+    import matplotlib.image
+    import numpy as np
+
+    rgba = matplotlib.image.imread(path)
+    return np.round(rgba[..., :3] * 255).astype(np.uint8)
+
+
+def colour_share(pixels: Any, rgb: tuple[int, int, int], tol: int = 10) -> float:
+    """Share of the pixels within ``tol`` (per channel) of ``rgb``: how much of a figure is
+    drawn in one colour (antialiased edges aside)."""
+    import numpy as np
+
+    return float(np.all(np.abs(pixels.astype(int) - np.array(rgb)) <= tol, axis=-1).mean())
+
+
+def assert_drawn(path: Path, min_ink: float = 0.03) -> float:
+    """The PNG is not blank: at least ``min_ink`` of its pixels are not the white background
+    (an empty axes frame with a title and tick labels inks 2.1%, the sparsest real figure,
+    a scan's gamma box plots of 5 layers, 3.6%); returns that share."""
+    ink = 1.0 - colour_share(png_pixels(path), (255, 255, 255), tol=8)
+    assert ink >= min_ink, f"{path}: only {ink:.1%} of the pixels are drawn"
+    return ink

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from normscope import DeadDirectionMonitor
 from normscope.cli.report import depth_order, reevaluate_alerts
 from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
-from tests.cli.support import load_json, png_size, run_cli
+from tests.cli.support import assert_drawn, load_json, png_size, run_cli
 
 torch.set_num_threads(1)
 
@@ -79,6 +79,7 @@ def check_files(out: Path, result: dict) -> None:
     for name in RUN_PNGS:
         width, height = png_size(out / name)
         assert 600 <= width <= 2000 and 300 <= height <= 2000, (name, width, height)
+        assert_drawn(out / name)
     page = (out / "report.html").read_text()
     sources = re.findall(r'src="([^"]+)"', page)
     assert len(sources) == len(RUN_PNGS)

@@ -255,8 +255,14 @@ def test_radial_change_has_no_transverse_energy():
     scale = torch.rand(64, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     dy = scale * y  # what a normaliser removes entirely
     assert radial_fraction(y, dy) == pytest.approx(1.0, abs=1e-14)
-    te = transverse_energy(y, dy)
-    assert 0 <= te < 1e-26 * float(dy.square().sum())  # projected, not subtracted: never < 0
+    # projected, not subtracted: total - radial would leave ~1e-16 of the total, either sign
+    assert abs(transverse_energy(y, dy)) < 1e-26 * float(dy.square().sum())
+    # a transverse part 1e-9 of the radial one is read to 1e-6 (its energy is 1e-18 of the
+    # total, below what the subtraction resolves); z is orthogonal to y row by row, in numpy
+    yn, r = y.numpy(), np.random.default_rng(6).standard_normal((64, 32))
+    z = r - (r * yn).sum(1, keepdims=True) / (yn * yn).sum(1, keepdims=True) * yn
+    small = dy + 1e-9 * torch.from_numpy(z)
+    assert transverse_energy(y, small) == pytest.approx(1e-18 * float((z**2).sum()), rel=1e-6)
 
 
 def test_asymmetry_theory_limits():

@@ -29,6 +29,7 @@ __all__ = [
     "plot_spectrum",
     "save",
     "short_names",
+    "titled",
 ]
 
 DPI = 110
@@ -39,6 +40,7 @@ SUBLAYER_STYLE = {  # marker and colour of a residual point by what lies before 
     "block": ("^", "tab:green", "after a block"),
 }
 KIND_COLOUR = {"layernorm": "tab:blue", "rmsnorm": "tab:orange"}
+KERNEL_ALERT = 1e-4  # the default LayerNormKernelRule max_kernel_residual
 ALERT_RATIO = 0.8  # the default SigmaMinRatioRule threshold: alert_below 1.0 - tolerance 0.2
 LOG_FLOOR = 1e-18
 
@@ -58,7 +60,8 @@ def save(fig: Figure, path: str | Path) -> Path:
 
 def short_names(names: Sequence[str]) -> list[str]:
     """Module paths without their common dotted prefix and suffix (``encoder.layer.0.output``
-    -> ``0.output``; ``...attention.output.LayerNorm`` -> ``...attention.output``), so that tick
+    -> ``0.output``; ``...attention.output.LayerNorm`` -> ``...attention.output``) and, when a
+    label is still long, with the prefix most of them share cut to its last part, so that tick
     labels stay readable; the labels stay distinct.
 
     Example::
@@ -67,6 +70,9 @@ def short_names(names: Sequence[str]) -> list[str]:
         ['h.0.ln_1', 'h.1.ln_2', 'ln_f']
         >>> short_names(["embeddings.LayerNorm", "encoder.layer.0.output.LayerNorm"])
         ['embeddings', 'encoder.layer.0.output']
+        >>> short_names(["embeddings.LayerNorm", "encoder.layer.0.attention.output.LayerNorm",
+        ...              "encoder.layer.0.output.LayerNorm"])
+        ['embeddings', 'layer.0.attention.output', 'layer.0.output']
     """
     parts = [n.split(".") for n in names]
     if len(parts) < 2:
@@ -79,7 +85,51 @@ def short_names(names: Sequence[str]) -> list[str]:
     while all(len(p) > tail + 1 for p in parts) and len({p[-1 - tail] for p in parts}) == 1:
         tail += 1
     cut = [".".join(p[: len(p) - tail]) for p in parts]
-    return cut if len(set(cut)) == len(cut) else [".".join(p) for p in parts]
+    cut = cut if len(set(cut)) == len(cut) else [".".join(p) for p in parts]
+    return _majority_prefix_cut(cut)
+
+
+def _majority_prefix_cut(labels: list[str], longest: int = 24) -> list[str]:
+    """When a label is over ``longest`` characters, the dotted prefix most labels share is cut
+    to its last part (``encoder.layer.0.output`` -> ``layer.0.output`` next to ``embeddings``),
+    as long as the labels stay distinct."""
+    if max(map(len, labels), default=0) <= longest:
+        return labels
+    parts = [label.split(".") for label in labels]
+    shares = {
+        tuple(p[:size]): sum(q[:size] == p[:size] for q in parts)
+        for p in parts
+        for size in range(2, len(p))
+    }  # the most shared prefix wins, the shorter on a tie
+    shared = [(-n, len(head), head) for head, n in shares.items() if n > len(parts) / 2]
+    if not shared:
+        return labels
+    best = min(shared)[2]
+    cut = [
+        ".".join(p[len(best) - 1 :]) if tuple(p[: len(best)]) == best else ".".join(p)
+        for p in parts
+    ]
+    return cut if len(set(cut)) == len(cut) else labels
+
+
+def titled(title: str, verdict: str, width: int = 90) -> str:
+    """``title`` over the ``verdict`` (its ``"; "``-separated parts packed into lines of at
+    most ``width`` characters), so that a long conclusion wraps instead of leaving the figure.
+
+    Example::
+
+        >>> titled("GPT", "3 layers; no alert; dead channels: 2 in ln_f", width=20)
+        'GPT\\n3 layers; no alert;\\ndead channels: 2 in ln_f'
+    """
+    lines: list[str] = []
+    for part in verdict.split("; "):
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += "; " + part
+        else:
+            if lines:
+                lines[-1] += ";"
+            lines.append(part)
+    return "\n".join([title, *lines])
 
 
 def _finite(values: Iterable[Any]) -> np.ndarray:
@@ -166,94 +216,253 @@ def plot_profile(
     return save(fig, path)
 
 
+def _worst(names: Sequence[str], values: np.ndarray) -> str:
+    i = int(np.nanargmax(values))
+    return f"{names[i]} {values[i]:.1e}"
+
+
+def alignment_verdict(norms: Sequence[Mapping[str, Any]]) -> str:
+    """The one line a reader of ``alignment.png`` should take away, from the scan's norms.
+
+    LayerNorms without dead channels keep the exact kernel while ``kernel_residual <= 1e-4``
+    (the ``layernorm_kernel_lost`` rule); RMSNorms have none by design; dead channels are named.
+
+    Example::
+
+        >>> alignment_verdict([
+        ...     {"name": "h.0.ln_1", "kind": "layernorm", "kernel_residual": 1e-15,
+        ...      "dead_channels": 0},
+        ...     {"name": "h.0.ln_2", "kind": "layernorm", "kernel_residual": 3e-3,
+        ...      "dead_channels": 0},
+        ...     {"name": "ln_f", "kind": "layernorm", "kernel_residual": 1e-16,
+        ...      "dead_channels": 2}])
+        'kernel LOST at h.0.ln_2; 1/2 LayerNorms without dead channels keep it; dead channels: 2 in ln_f'
+    """
+    names = short_names([n["name"] for n in norms]) if norms else []
+    ln = [
+        i
+        for i, n in enumerate(norms)
+        if n.get("kind") == "layernorm" and not n.get("dead_channels")
+    ]
+    resid = _finite(norms[i].get("kernel_residual") for i in ln)
+    parts = []
+    lost = [names[i] for i, r in zip(ln, resid) if r > KERNEL_ALERT]
+    kept = int(np.sum(resid <= KERNEL_ALERT))
+    which = "LayerNorms" if len(ln) == len(norms) else "LayerNorms without dead channels"
+    if lost:
+        more = f" (+{len(lost) - 3})" if len(lost) > 3 else ""
+        parts.append(
+            f"kernel LOST at {', '.join(lost[:3])}{more}; {kept}/{len(ln)} {which} keep it"
+        )
+    elif kept:
+        worst = float(np.nanmax(resid))
+        parts.append(
+            f"{kept}/{len(ln)} {which} keep the exact kernel (kernel_residual <= {worst:.0e})"
+        )
+    rms = sum(n.get("kind") == "rmsnorm" for n in norms)
+    if rms:
+        parts.append(f"{rms} RMSNorm{'s' if rms > 1 else ''}: no kernel by design")
+    dead = [
+        f"{n['dead_channels']} in {names[i]}" for i, n in enumerate(norms) if n.get("dead_channels")
+    ]
+    if dead:
+        more = f" (+{len(dead) - 3} layers)" if len(dead) > 3 else ""
+        parts.append("dead channels: " + ", ".join(dead[:3]) + more)
+    return "; ".join(parts) or "no norm layer was read"
+
+
 def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, title: str) -> Path:
-    """Per norm layer: ``gamma_alignment`` (bars by kind, hatched with dead channels; lines at
-    0.9999 and at the random level ``1/sqrt(d)``) and ``kernel_residual`` on a log axis."""
-    fig = new_figure(9.0, 6.4)
+    """Per norm layer, both on log axes (what varies is the distance from exact): ``1 -
+    gamma_alignment`` with the 0.9999 line and the random level ``1 - 1/sqrt(d)``, and
+    ``kernel_residual`` with the 1e-4 kernel-loss alert; above the lines is shaded. Dead
+    channels: a red cross and a red tick label. The title says what to conclude
+    (:func:`alignment_verdict`)."""
+    fig = new_figure(9.0, 5.6)
     top, bottom = fig.subplots(2, 1, sharex=True)
     x = np.arange(len(norms))
-    align = _finite(n.get("gamma_alignment") for n in norms)
-    colours = [KIND_COLOUR.get(n.get("kind"), "tab:gray") for n in norms]
-    bars = top.bar(x, np.nan_to_num(align, nan=0.0), color=colours)
-    for bar, n in zip(bars, norms):
-        if n.get("dead_channels"):
-            bar.set_hatch("//")
-            bar.set_edgecolor("tab:red")
-    top.axhline(0.9999, color="black", lw=0.8, label="0.9999 (LayerNorm exact kernel)")
+    labels = short_names([n["name"] for n in norms])
+    colours = np.array([KIND_COLOUR.get(n.get("kind"), "tab:gray") for n in norms], dtype=object)
+    dead = np.array([bool(n.get("dead_channels")) for n in norms], dtype=bool)
+    distance = 1.0 - _finite(n.get("gamma_alignment") for n in norms)
+    resid = _finite(n.get("kernel_residual") for n in norms)
+    panels = (
+        (top, distance, "1 - gamma_alignment", [(1 - 0.9999, "0.9999 alignment")],
+         "gamma off the kernel direction"),
+        (bottom, resid, "kernel_residual", [(KERNEL_ALERT, "1e-4 kernel-loss alert")],
+         "kernel lost (a LayerNorm alerts)"),
+    )  # fmt: skip
     dims = [n.get("dim") for n in norms if n.get("dim")]
-    if dims:
-        top.axhline(
-            1 / math.sqrt(max(dims)),
-            color="tab:orange",
-            lw=0.8,
-            ls="--",
-            label="1/sqrt(d) (random direction)",
-        )
+    for ax, values, ylabel, lines, above in panels:
+        ax.set_yscale("log")
+        shown, low, floor = log_floor(values)
+        ok = np.isfinite(shown)
+        base = min(floor, lines[0][0] / 100) / 3  # the threshold line always in view
+        top_y = max(1.0, float(np.nanmax(shown)) if ok.any() else 1.0) * 3
+        ax.set_ylim(base, top_y)  # before any artist: an axis of lines alone has no span
+        ax.vlines(x[ok], base, shown[ok], colors=colours[ok], lw=2.5, zorder=2)
+        ax.scatter(x[ok & ~low], shown[ok & ~low], color=colours[ok & ~low], s=22, zorder=3)
+        if low.any():
+            ax.scatter(x[low], shown[low], marker="v", color="tab:red", s=30, zorder=3,
+                       label="<= axis floor (0 or rounding)")  # fmt: skip
+        if (ok & dead).any():
+            ax.scatter(x[ok & dead], shown[ok & dead], marker="x", color="tab:red", s=70,
+                       lw=2, zorder=4, label="dead channels")  # fmt: skip
+        for y, lab in lines:
+            ax.axhline(y, color="tab:red", lw=0.9, ls="--", label=lab)
+        if ax is top and dims:
+            rand = 1 - 1 / math.sqrt(max(dims))
+            ax.axhline(rand, color="0.4", lw=0.8, ls=":", label="1 - 1/sqrt(d): a random v*")
+        ax.axhspan(lines[0][0], top_y, color="tab:red", alpha=0.06, lw=0)
+        ax.text(0.005, lines[0][0] * 2, above, transform=ax.get_yaxis_transform(), fontsize=7,
+                color="tab:red", va="bottom", zorder=5,
+                bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 1})  # fmt: skip
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
     for kind, colour in KIND_COLOUR.items():
         if any(n.get("kind") == kind for n in norms):
-            top.bar([0], [0], color=colour, label=kind)
-    if any(n.get("dead_channels") for n in norms):
-        top.bar(
-            [0],
-            [0],
-            color="white",
-            hatch="//",
-            edgecolor="tab:red",
-            label="dead channels (kernel = their e_i)",
-        )
-    top.set_ylim(0, 1.05)
-    top.set_ylabel("gamma_alignment |<u_1, v*>|")
-    top.set_title(title, fontsize=10)
-    top.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    top.grid(alpha=0.3, axis="y")
-    resid, low, floor = log_floor(_finite(n.get("kernel_residual") for n in norms))
-    bottom.set_yscale("log")
-    shown = np.isfinite(resid)
-    bottom.vlines(
-        x[shown], floor / 10, resid[shown], colors=np.array(colours, dtype=object)[shown], lw=3
-    )
-    bottom.scatter(x[shown & ~low], resid[shown & ~low], color="black", s=10, zorder=3)
-    if low.any():
-        bottom.scatter(
-            x[low], resid[low], marker="v", color="tab:red", s=30, zorder=3, label="<= axis floor"
-        )
-    bottom.axhline(1e-4, color="tab:red", lw=0.8, ls="--", label="1e-4 (kernel-loss alert)")
-    bottom.set_ylabel("kernel_residual v*^T C v* / lambda_d")
-    bottom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    bottom.grid(alpha=0.3, axis="y")
-    _ticks(bottom, short_names([n["name"] for n in norms]))
+            top.scatter([], [], color=colour, s=22, label=kind)
+    for ax in (top, bottom):
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.align_ylabels([top, bottom])
+    top.set_title(titled(title, alignment_verdict(norms)), fontsize=9)
+    _ticks(bottom, labels)
+    for tick, is_dead in zip(bottom.get_xticklabels(), dead):
+        if is_dead:
+            tick.set_color("tab:red")
     return save(fig, path)
+
+
+NULL_TOL = 1e-10  # the scan's null_tol: eigenvalues at or below it over lambda_d are null
+
+
+def _null_count(n: Mapping[str, Any], values: np.ndarray) -> int:
+    null_dim = n.get("null_dim")
+    if isinstance(null_dim, (int, float)) and math.isfinite(null_dim):
+        return int(null_dim)
+    return int(np.sum(np.isfinite(values) & (values <= NULL_TOL)))
+
+
+def spectrum_highlights(norms: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+    """Which layers ``spectrum.png`` draws in colour, ``{index: role}``: the first, the final
+    norm and the worst in between -- the most null eigenvalues, then the lowest live one
+    (nearest to losing its gap) --; the rest are drawn grey.
+
+    Example::
+
+        >>> spectrum_highlights([
+        ...     {"bottom_eigenvalues": [1e-16, 1e-3], "null_dim": 1},
+        ...     {"bottom_eigenvalues": [1e-17, 1e-18, 1e-4], "null_dim": 2},
+        ...     {"bottom_eigenvalues": [1e-16, 2e-3], "null_dim": 1},
+        ...     {"bottom_eigenvalues": [1e-16, 5e-3], "null_dim": 1}])
+        {0: 'first', 3: 'final', 1: 'worst'}
+    """
+    has = [i for i, n in enumerate(norms) if _finite(n.get("bottom_eigenvalues") or []).size]
+    if not has:
+        return {}
+    roles = {has[0]: "first", has[-1]: "final"}
+
+    def badness(i: int) -> tuple[int, float]:
+        values = _finite(norms[i]["bottom_eigenvalues"])
+        null = _null_count(norms[i], values)
+        live = values[np.isfinite(values) & (values > NULL_TOL)]
+        return null, -(float(live.min()) if live.size else math.inf)
+
+    inner = [i for i in has if i not in roles]
+    if inner:
+        roles[max(inner, key=badness)] = "worst"
+    return roles
+
+
+def spectrum_verdict(norms: Sequence[Mapping[str, Any]]) -> str:
+    """The line under ``spectrum.png``'s title: how many layers have how many null eigenvalues
+    (the LayerNorm kernel is one; each dead channel adds one) and the lowest live eigenvalue,
+    i.e. the gap a null direction stands out by.
+
+    Example::
+
+        >>> spectrum_verdict([
+        ...     {"name": "h.0.ln", "bottom_eigenvalues": [1e-16, 1e-3], "null_dim": 1},
+        ...     {"name": "h.1.ln", "bottom_eigenvalues": [1e-16, 2e-4], "null_dim": 1},
+        ...     {"name": "ln_f", "bottom_eigenvalues": [0.0, 0.0, 1e-3], "null_dim": 2}])
+        '2 layers: 1 null eigenvalue; ln_f: 2 null; lowest live eigenvalue 2e-04 (h.1.ln)'
+    """
+    names = short_names([n["name"] for n in norms]) if norms else []
+    counts: dict[int, list[str]] = {}
+    dead = {name: n.get("dead_channels") for n, name in zip(norms, names)}
+    low, where = math.inf, None
+    for n, name in zip(norms, names):
+        values = _finite(n.get("bottom_eigenvalues") or [])
+        if not values.size:
+            continue
+        counts.setdefault(_null_count(n, values), []).append(name)
+        live = values[np.isfinite(values) & (values > NULL_TOL)]
+        if live.size and live.min() < low:
+            low, where = float(live.min()), name
+    if not counts:
+        return "no spectrum: too few rows"
+    common = max(counts, key=lambda c: len(counts[c]))
+    plural = "s" if common != 1 else ""
+    parts = [f"{len(counts[common])} layer{'s' if len(counts[common]) > 1 else ''}: "
+             f"{common} null eigenvalue{plural}"]  # fmt: skip
+    for c, who in sorted(counts.items()):
+        if c != common:
+            parts.append(f"{', '.join(who[:3])}{' ...' if len(who) > 3 else ''}: {c} null")
+            if len(who) == 1 and dead.get(who[0]):
+                parts[-1] += f" ({dead[who[0]]} dead channels)"
+    if where is not None:
+        parts.append(f"lowest live eigenvalue {low:.0e} ({where})")
+    return "; ".join(parts)
 
 
 def plot_spectrum(norms: Sequence[Mapping[str, Any]], path: str | Path, *, title: str) -> Path:
     """The smallest eigenvalues of each norm's output covariance over its largest, against
-    their rank ``k`` (log axis), coloured by depth; the ``null_tol`` line at 1e-10."""
-    from matplotlib import colormaps
-
-    fig = new_figure()
+    their rank ``k`` (log axis): the first layer, the final norm and the worst one
+    (:func:`spectrum_highlights`) in colour, the others grey; the null region below
+    ``null_tol`` (1e-10) shaded. The title says how many null eigenvalues the layers have
+    and how far the live ones sit above them (:func:`spectrum_verdict`)."""
+    fig = new_figure(9.0, 4.8)
     ax = fig.add_subplot()
     ax.set_yscale("log")
-    cmap = colormaps["viridis"]
     labels = short_names([n["name"] for n in norms])
-    shown = 0
+    roles = spectrum_highlights(norms)
+    style = {"first": "tab:blue", "worst": "tab:orange", "final": "tab:purple"}
+    greys = 0
+    lowest, highest, longest = math.inf, 0.0, 1
+    drawn = []
     for i, (n, label) in enumerate(zip(norms, labels)):
         values = _finite(n.get("bottom_eigenvalues") or [])
         if not values.size or not np.isfinite(values).any():
             continue
-        values, low, _ = log_floor(values)
+        values, low, floor = log_floor(values)
+        lowest, highest = min(lowest, floor), max(highest, float(np.nanmax(values)))
+        longest = max(longest, len(values))
+        drawn.append((i, values, low, label, _null_count(n, _finite(n["bottom_eigenvalues"]))))
+    for i, values, low, label, null in sorted(drawn, key=lambda d: d[0] in roles):
         k = np.arange(1, len(values) + 1)
-        colour = cmap(i / max(1, len(norms) - 1))
-        ax.plot(
-            k, values, "-o", ms=3, lw=1, color=colour, label=label if len(norms) <= 16 else None
-        )
+        role = roles.get(i)
+        if role is None:
+            greys += 1
+            ax.plot(k, values, "-", color="0.75", lw=1, zorder=1,
+                    label=None if greys > 1 else "other layers")  # fmt: skip
+        else:
+            ax.plot(k, values, "-o", ms=4, lw=1.8, color=style[role], zorder=3,
+                    label=f"{role}: {label} ({null} null)")  # fmt: skip
         if low.any():
-            ax.scatter(k[low], values[low], marker="v", color="tab:red", s=30, zorder=3)
-        shown += 1
-    ax.axhline(1e-10, color="tab:red", lw=0.8, ls="--", label="null_tol 1e-10")
+            ax.scatter(k[low], values[low], marker="v", color="tab:red", s=30, zorder=4,
+                       label=None)  # fmt: skip
+    if drawn:
+        bottom = min(lowest, NULL_TOL / 100) / 3  # the null region always shows, empty or not
+        ax.set_ylim(bottom, highest * 10)
+        ax.axhspan(bottom, NULL_TOL, color="tab:red", alpha=0.06, lw=0)
+        ax.set_xticks(range(1, longest + 1))
+    ax.axhline(NULL_TOL, color="tab:red", lw=0.8, ls="--",
+               label=f"null_tol {NULL_TOL:g}: below, null (kernel, dead channels)")  # fmt: skip
     ax.set_xlabel("k (k-th smallest eigenvalue of the output covariance C)")
     ax.set_ylabel("lambda_k / lambda_d")
-    ax.set_title(title + ("" if shown else " (no spectrum: too few rows)"), fontsize=10)
-    ax.legend(fontsize=6, ncol=2 if len(norms) > 8 else 1, loc="best")
+    ax.set_title(titled(title, spectrum_verdict(norms)), fontsize=9)
+    handles, names = ax.get_legend_handles_labels()
+    names = [f"other {greys} layers" if n == "other layers" else n for n in names]
+    ax.legend(handles, names, fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)
     return save(fig, path)
 

@@ -8,11 +8,11 @@ and TensorBoard logs carry none, so there the monitor's default rules
 (:class:`~normscope.alerts.SigmaMinRatioRule`, :class:`~normscope.alerts.KernelLossRule`) are
 re-evaluated over the logged reads, in step order, and the report says so.
 
-Two things a log does not hold are inferred, and the report says that too: the depth order of
-the residual points (``p_0`` is the point whose ratio and step are exactly 1 at every read; the
-rest in natural order of their module paths: ``h.2`` before ``h.10``, numbered paths before
-un-numbered ones such as a final norm), and each norm's declared kind (from ``norm_class`` and
-``kind_mismatch``).
+Two things a log may not hold are inferred, and the report says that too: the depth order of
+the residual points when the log has no ``dd/<point>/depth`` (``p_0`` is the point whose ratio
+and step are exactly 1 at every read; the rest in natural order of their module paths: ``h.2``
+before ``h.10``, numbered paths before un-numbered ones such as a final norm), and each norm's
+declared kind (from ``norm_class`` and ``kind_mismatch``).
 """
 
 from __future__ import annotations
@@ -80,12 +80,8 @@ def depth_order(points: Sequence[str], reads: Mapping[float, Mapping[str, float]
         values = [v for v in values if v[0] is not None and math.isfinite(v[0])]
         return bool(values) and all(a == 1.0 and b in (1.0, None) for a, b in values)
 
-    logged = {}
-    for p in points:  # the monitor logs each point's depth (dd/<point>/depth)
-        depths = {r[f"dd/{p}/depth"] for r in reads.values() if f"dd/{p}/depth" in r}
-        if len(depths) == 1:
-            logged[p] = depths.pop()
-    if points and len(logged) == len(points) and len(set(logged.values())) == len(points):
+    logged = run_plots.logged_depths(points, reads)
+    if logged is not None:
         return sorted(points, key=logged.__getitem__)
     firsts = [p for p in points if is_first(p)]
     first = sorted(firsts, key=_natural)[:1]
@@ -212,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
             "(SigmaMinRatioRule(1.0, tolerance 0.2), KernelLossRule(1e-4)) were re-evaluated "
             "over the logged reads"
         )
-    if points and not all(any(f"dd/{p}/depth" in r for r in reads.values()) for p in points):
+    if points and run_plots.logged_depths(points, reads) is None:
         notes.append("depth order of the residual points inferred from their module paths")
     alert_steps = sorted(
         {a["step"] for a in alerts if isinstance(a["step"], float) and math.isfinite(a["step"])}

@@ -12,12 +12,56 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.figure import Figure
 
-from normscope.cli.plots import ALERT_RATIO, log_floor, new_figure, save, short_names
+from normscope.cli.plots import ALERT_RATIO, log_floor, new_figure, save, short_names, titled
 
-__all__ = ["plot_norm_metrics", "plot_run_profile", "plot_sigma_over_steps"]
+__all__ = [
+    "depth_axis_label",
+    "logged_depths",
+    "plot_norm_metrics",
+    "plot_run_profile",
+    "plot_sigma_over_steps",
+    "run_profile_figure",
+]
 
 Reads = Mapping[float, Mapping[str, float]]
+
+
+def logged_depths(points: Sequence[str], reads: Reads) -> dict[str, float] | None:
+    """Each point's logged ``dd/<point>/depth`` (its index ``k``), when every point has one
+    depth over the whole run and no two share one; else None (the order must be inferred).
+
+    Example::
+
+        >>> logged_depths(["e", "h.0"], {1.0: {"dd/e/depth": 0.0, "dd/h.0/depth": 1.0}})
+        {'e': 0.0, 'h.0': 1.0}
+        >>> logged_depths(["e", "h.0"], {1.0: {"dd/e/depth": 0.0}}) is None
+        True
+    """
+    logged = {}
+    for p in points:
+        depths = {r[f"dd/{p}/depth"] for r in reads.values() if f"dd/{p}/depth" in r}
+        if len(depths) == 1:
+            logged[p] = depths.pop()
+    if points and len(logged) == len(points) and len(set(logged.values())) == len(points):
+        return logged
+    return None
+
+
+def depth_axis_label(points: Sequence[str], reads: Reads) -> str:
+    """The depth axis's label: says where the order came from (the log, or module paths).
+
+    Example::
+
+        >>> depth_axis_label(["e"], {1.0: {"dd/e/depth": 0.0}})
+        'residual point (forward order, from the logged dd/<point>/depth)'
+        >>> depth_axis_label(["e"], {1.0: {}})
+        'residual point (depth order inferred from module paths)'
+    """
+    if logged_depths(points, reads) is not None:
+        return "residual point (forward order, from the logged dd/<point>/depth)"
+    return "residual point (depth order inferred from module paths)"
 
 
 def _series(reads: Reads, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -48,6 +92,35 @@ def _wide(values: np.ndarray) -> bool:
     return v.size > 0 and (v.min() <= 0 or v.max() / max(v.min(), 1e-300) > 30)
 
 
+def sigma_verdict(reads: Reads, alerts: Sequence[Mapping[str, Any]]) -> str:
+    """The line under ``sigma_min_over_steps.png``'s title: the alerts' first step, else the
+    lowest ``sigma_min_step_min`` and where it was.
+
+    Example::
+
+        >>> reads = {1.0: {"dd/sigma_min_step_min": 0.97}, 2.0: {"dd/sigma_min_step_min": 0.91}}
+        >>> sigma_verdict(reads, [])
+        'no alert; lowest sigma_min_step_min 0.91 (step 2), threshold 0.8'
+        >>> sigma_verdict(reads, [{"step": 2.0}, {"step": 3.0}])
+        '2 alerts, the first at step 2'
+    """
+    steps = sorted(
+        {a["step"] for a in alerts if isinstance(a.get("step"), float) and a["step"] == a["step"]}
+    )  # a NaN step: not known
+    if alerts:
+        first = f", the first at step {steps[0]:g}" if steps else ""
+        return f"{len(alerts)} alert{'s' if len(alerts) > 1 else ''}{first}"
+    at, values = _series(reads, "dd/sigma_min_step_min")
+    ok = np.isfinite(values)
+    if not ok.any():
+        return "no alert"
+    i = int(np.argmin(np.where(ok, values, np.inf)))
+    return (
+        f"no alert; lowest sigma_min_step_min {values[i]:.3g} (step {at[i]:g}), "
+        f"threshold {ALERT_RATIO}"
+    )
+
+
 def plot_sigma_over_steps(
     reads: Reads,
     points: Sequence[str],
@@ -57,44 +130,50 @@ def plot_sigma_over_steps(
     title: str,
 ) -> Path:
     """Every point's cumulative ``sigma_min_ratio`` over steps (thin, by depth), the run-level
-    ``dd/sigma_min_ratio_min`` and ``dd/sigma_min_step_min`` (thick), the floor at 1, the
-    default alert threshold and the alerts."""
-    fig = new_figure()
+    ``dd/sigma_min_ratio_min`` and ``dd/sigma_min_step_min`` (thick, a marker at each read),
+    the default alert threshold and the alerts. ``p_0`` (``points[0]``), the reference of every
+    ratio, is 1 by definition: it is the labelled line at 1, and its logged ratio is drawn as
+    dots on it so that a read where it is not 1 shows. The title's second line says whether
+    and when it alerted (:func:`sigma_verdict`)."""
+    fig = new_figure(9.0, 4.8)
     ax = fig.add_subplot()
-    lines = [(f"dd/{p}/sigma_min_ratio", lab) for p, lab in zip(points, short_names(points))]
+    names = short_names(points)
+    lines = [(f"dd/{p}/sigma_min_ratio", lab) for p, lab in zip(points, names)]
     every = np.concatenate([_series(reads, k)[1] for k, _ in lines] + [np.array([1.0])])
     log = _wide(every)
     if log:
         ax.set_yscale("log")
-    for (key, lab), colour in zip(lines, _colours(len(lines))):
+    if lines:
+        ax.axhline(1.0, color="black", lw=1.0, zorder=1,
+                   label=f"1 = p_0 {names[0]} (the reference)")  # fmt: skip
+        steps, values = _series(reads, lines[0][0])
+        if steps.size:
+            ax.scatter(steps, log_floor(values)[0] if log else values, s=60, marker="o",
+                       facecolors="none", edgecolors="tab:gray", linewidths=1.3, zorder=4,
+                       label=f"p_0 {names[0]}, as logged")  # fmt: skip
+    later = lines[1:]
+    for (key, lab), colour in zip(later, _colours(len(later))):
         steps, values = _series(reads, key)
         if log:
             values = log_floor(values)[0]
-        ax.plot(steps, values, lw=0.8, color=colour, alpha=0.8,
-                label=lab if len(lines) <= 12 else None)  # fmt: skip
+        ax.plot(steps, values, lw=0.9, color=colour, alpha=0.85, zorder=2,
+                label=lab if len(later) <= 12 else None)  # fmt: skip
     for key, style, lab in (
         ("dd/sigma_min_ratio_min", "-", "sigma_min_ratio_min"),
         ("dd/sigma_min_step_min", ":", "sigma_min_step_min"),
     ):
         steps, values = _series(reads, key)
         if steps.size:
-            ax.plot(
-                steps,
-                log_floor(values)[0] if log else values,
-                style,
-                color="black",
-                lw=2,
-                label=lab,
-            )
-    ax.axhline(1.0, color="black", lw=0.8)
+            ax.plot(steps, log_floor(values)[0] if log else values, style, color="black", lw=2,
+                    marker="o" if style == "-" else "s", ms=3.5, zorder=3, label=lab)  # fmt: skip
     ax.axhline(
         ALERT_RATIO, color="tab:red", lw=0.8, ls="--", label=f"alert threshold {ALERT_RATIO}"
     )
     _mark_alerts(ax, alerts)
     ax.set_xlabel("training step")
     ax.set_ylabel("sigma_min ratio")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=6, ncol=2, loc="best")
+    ax.set_title(titled(title, sigma_verdict(reads, alerts)), fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     return save(fig, path)
 
@@ -109,7 +188,20 @@ def plot_run_profile(
     title: str,
 ) -> Path:
     """The ``sigma_min`` ratio against depth at a few steps (colour by step; a read at an
-    alert drawn in red), the floor at 1 and the alert threshold."""
+    alert drawn in red), the floor at 1 and the alert threshold; the depth axis says whether
+    the order was logged or inferred (:func:`depth_axis_label`)."""
+    return save(run_profile_figure(reads, points, steps, alert_steps, title=title), path)
+
+
+def run_profile_figure(
+    reads: Reads,
+    points: Sequence[str],
+    steps: Sequence[float],
+    alert_steps: Sequence[float],
+    *,
+    title: str,
+) -> Figure:
+    """The figure :func:`plot_run_profile` saves."""
     fig = new_figure()
     ax = fig.add_subplot()
     depth = np.arange(len(points))
@@ -131,12 +223,12 @@ def plot_run_profile(
     )
     ax.set_xticks(depth)
     ax.set_xticklabels(short_names(points), rotation=60, ha="right", fontsize=8)
-    ax.set_xlabel("residual point (depth order inferred from module paths)")
+    ax.set_xlabel(depth_axis_label(points, reads))
     ax.set_ylabel("sigma_min(p_k) / sigma_min(p_0)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
-    return save(fig, path)
+    return fig
 
 
 def plot_norm_metrics(

@@ -21,7 +21,6 @@ from normscope.functional.dead_direction import (
 from normscope.functional.profile import (
     ProfilePoint,
     SigmaMinProfile,
-    cancellation_fraction,
     sigma_min,
     sigma_min_profile,
 )
@@ -30,7 +29,7 @@ __all__ = ["StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
 __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "kernel_read"]
 __all__ += ["predicted_kernel", "rmsnorm_alignment_max", "rows_comparable", "schur_quotient"]
 __all__ += ["StreamingCrossMoment", "no_cancellation_margin"]
-__all__ += ["ProfilePoint", "SigmaMinProfile", "cancellation_fraction", "sigma_min"]
+__all__ += ["ProfilePoint", "SigmaMinProfile", "sigma_min"]
 __all__ += ["sigma_min_profile"]
 
 from normscope.functional.sign_magnitude import (  # noqa: E402

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from einops import rearrange
 
 from normscope.functional.covariance import symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
@@ -28,7 +27,6 @@ from normscope.functional.dead_direction import row_count, square_matrix
 __all__ = [
     "ProfilePoint",
     "SigmaMinProfile",
-    "cancellation_fraction",
     "sigma_min",
     "sigma_min_profile",
 ]
@@ -226,37 +224,3 @@ def sigma_min_profile(
         return SigmaMinProfile(tuple(points), _NAN, None, "no_finite_ratio")
     worst = min(later, key=lambda p: p.sigma_min_ratio)
     return SigmaMinProfile(tuple(points), worst.sigma_min_ratio, worst.name, None)
-
-
-def cancellation_fraction(x: torch.Tensor, f: torch.Tensor) -> float:
-    """The share of rows with ``<x, f(x)> < 0``: where a branch cancels the stream it reads.
-
-    Args:
-        x: the stream entering a sublayer, ``(..., d)``.
-        f: the sublayer's branch output (what is added to ``x``), the same shape.
-
-    Returns:
-        A float in ``[0, 1]``, over the rows where both are finite; NaN when there are none.
-
-    Example::
-
-        >>> import torch
-        >>> x = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-        >>> cancellation_fraction(x, torch.tensor([[-1.0, 0.0], [0.0, 2.0]]))
-        0.5
-    """
-    if not (isinstance(x, torch.Tensor) and isinstance(f, torch.Tensor)):
-        raise ValueError("cancellation_fraction: x and f must be torch tensors")
-    if x.shape != f.shape or x.ndim == 0:
-        raise ValueError(
-            "cancellation_fraction: x and f must have the same (..., d) shape, got "
-            f"{tuple(x.shape)} and {tuple(f.shape)}"
-        )
-    xr = rearrange(x.detach().to(torch.float64), "... d -> (...) d")
-    fr = rearrange(f.detach().to(xr.device, torch.float64), "... d -> (...) d")
-    dots = (xr * fr).sum(dim=1)
-    finite = torch.isfinite(dots)
-    kept = int(finite.sum())
-    if kept == 0:
-        return _NAN
-    return int((dots[finite] < 0).sum()) / kept
