@@ -264,6 +264,7 @@ def _reduce_worker(rank: int, world: int, port: int, parts: list[np.ndarray], ou
         acc.update(torch.full((3, parts[rank].shape[1]), math.nan, dtype=torch.float64))
         acc.reduce_()
         torch.save(acc.state_dict(), f"{out}/rank{rank}.pt")
+        dist.barrier()  # neither rank tears gloo down while the other is inside a collective
     finally:
         dist.destroy_process_group()
 

@@ -319,6 +319,10 @@ def _fsdp_worker(rank: int, world: int, out_dir: str) -> None:
         found = find_norm_layers(model)
         rows = [(n.kind, n.convention, n.evidence, n.dim, n.gamma().tolist()) for n in found]
         torch.save(rows, os.path.join(out_dir, f"rank{rank}.pt"))
+        # both ranks done before either tears gloo down: a rank that destroyed its group while
+        # the other's fully_shard collectives were in flight aborted ("terminate called without
+        # an active exception", SIGABRT, seen once in CI)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
