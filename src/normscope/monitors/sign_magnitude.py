@@ -28,15 +28,11 @@ from normscope.functional.sign_magnitude import (
     OutlierRead,
     ProbeRead,
     WeightRead,
-    binary_quantization_error,
-    flip_perturbation,
-    matched_magnitude_perturbation,
     outlier_amplitudes,
-    probe_read,
-    ternary_quantization_error,
     weight_read,
 )
 from normscope.monitors.dead_direction import key_path
+from normscope.monitors.probes import ProbeReads
 from normscope.taps.hooks import Gate, in_backward_recompute
 from normscope.taps.norms import find_norm_layers
 from normscope.taps.residual import tap_input
@@ -156,7 +152,7 @@ class _DiagonalMoment:
         self.n.zero_()
 
 
-class SignMagnitudeTracker:
+class SignMagnitudeTracker(ProbeReads):
     """Hooks and reads of the sign–magnitude family, for any PyTorch loop.
 
     Args:
@@ -335,93 +331,6 @@ class SignMagnitudeTracker:
             RuntimeWarning,
             stacklevel=3,
         )
-
-    @torch.no_grad()
-    def probe(self, forward: Callable[[], Any]) -> dict[str, ProbeRead]:
-        """Probe reads (METRICS §2.3) of every probe layer, weights restored bit-exactly."""
-        modes = {m: m.training for m in self.model.modules()}
-        self.model.eval()
-        try:
-            out: dict[str, ProbeRead] = {}
-            live = [n for n in self.probe_layers if f"{n}:probe" not in self.failed]
-            if not live:
-                return out
-            try:
-                # One clean pass serves every layer: each probe restores its weight bit-exactly.
-                clean = self._norm_inputs(forward)
-            except Exception as err:  # noqa: BLE001 - the probe batch itself does not run
-                self._fail("probe forward", "the probe forward (so every probe)", err)
-                for name in live:
-                    self.failed.setdefault(f"{name}:probe", self.failed["probe forward"])
-                return out
-            for name in live:
-                try:
-                    out[name] = self._probe_one(name, forward, clean)
-                except Exception as err:  # noqa: BLE001 - weights are restored in _probe_one
-                    self._fail(f"{name}:probe", f"the probe of {name!r}", err)
-            return out
-        finally:
-            for module, mode in modes.items():
-                module.training = mode
-
-    def _probe_one(
-        self, name: str, forward: Callable[[], Any], clean: list[torch.Tensor] | None = None
-    ) -> ProbeRead:
-        """Perturb ``name``'s weight four ways; ``y`` is the input of the first normaliser whose
-        input the perturbation changes -- the next normaliser downstream of the layer, found by
-        evidence (it also works for weights a parent module uses directly, such as
-        ``nn.MultiheadAttention.out_proj``, whose own forward never runs)."""
-        linear = self.model.get_submodule(name)
-        if clean is None:
-            clean = self._norm_inputs(forward)
-        weight = linear.weight
-        saved = weight.detach().clone()
-        w64 = saved.to(torch.float64)
-        gen = torch.Generator(device="cpu").manual_seed(self.seed)
-        flip = flip_perturbation(w64.cpu(), self.flip_rate, gen).to(w64.device)
-        perturbations = {
-            "flip": flip,
-            "magnitude": matched_magnitude_perturbation(w64, flip),
-            "quant_binary": binary_quantization_error(w64),
-            "quant_ternary": ternary_quantization_error(w64),
-        }
-        runs: dict[str, list[torch.Tensor]] = {}
-        try:
-            for key, dw in perturbations.items():
-                weight.copy_((w64 + dw).to(weight.dtype))
-                runs[key] = self._norm_inputs(forward)
-        finally:
-            weight.copy_(saved)  # bit-exact: the saved copy, not a reversed perturbation
-        changed = [
-            next((i for i, (a, b) in enumerate(zip(clean, run)) if not torch.equal(a, b)), None)
-            for run in runs.values()
-        ]
-        changed = [i for i in changed if i is not None]
-        if not changed:
-            return probe_read(torch.zeros(0, 1), {})
-        at = min(changed)
-        y = clean[at]
-        return probe_read(y, {k: run[at] - y for k, run in runs.items() if len(run) > at})
-
-    def _norm_inputs(self, forward: Callable[[], Any]) -> list[torch.Tensor]:
-        """Run ``forward``; the inputs of every norm layer in the order they ran, as float64
-        rows."""
-        seen: list[torch.Tensor] = []
-
-        def at_norm(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            x = tap_input(args, kwargs)
-            if x is not None:
-                seen.append(x.detach().reshape(-1, x.shape[-1]).to(torch.float64))
-
-        handles = [
-            m.register_forward_pre_hook(at_norm, with_kwargs=True) for m in self._norm_modules
-        ]
-        try:
-            forward()
-        finally:
-            for h in handles:
-                h.remove()
-        return seen
 
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
