@@ -1,4 +1,4 @@
-"""Pure math on tensors: accumulators and reads (METRICS.md). No hooks, no Lightning, no logging."""
+"""Pure math on tensors: accumulators and reads (docs/metrics.md). No hooks, no Lightning, no logging."""
 
 from normscope.functional.cancellation import StreamingCrossMoment, no_cancellation_margin
 from normscope.functional.covariance import (

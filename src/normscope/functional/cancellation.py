@@ -1,4 +1,4 @@
-"""The no-cancellation hypothesis itself, measured: ``M_k`` and its margin (METRICS.md §1.4).
+"""The no-cancellation hypothesis itself, measured: ``M_k`` and its margin (docs/metrics.md §1.4).
 
 Between consecutive residual points ``x_k = x_{k-1} + f_k`` (rows ``X_{k-1}``, ``X_k``,
 ``F_k = X_k - X_{k-1}`` on the *same* rows), the uncentred second moments obey exactly::

@@ -1,6 +1,6 @@
 """Streaming float64 covariance: the accumulator every normscope read is taken from.
 
-METRICS.md §0. A tapped tensor of shape ``(..., d)`` becomes rows ``(N, d)``. Each batch is
+docs/metrics.md §0. A tapped tensor of shape ``(..., d)`` becomes rows ``(N, d)``. Each batch is
 reduced to ``(n_b, mu_b, M_b)`` -- its row count, mean and *centred* co-moment
 ``M_b = sum (x - mu_b)(x - mu_b)^T`` -- and folded into the running state with Chan's pairwise
 update::
@@ -232,7 +232,7 @@ class StreamingCovariance:
     def reduce_(self, group: Any = None) -> StreamingCovariance:
         """Merge the state of every process in ``group`` exactly, in place, on every rank.
 
-        METRICS §0: first the global count and mean (one small ``all_reduce`` of
+        docs/metrics.md §0: first the global count and mean (one small ``all_reduce`` of
         ``[n, n*mu, rejected]``), then each rank re-centres its co-moment on the global mean,
         ``M_r + n_r (mu_r - mu)(mu_r - mu)^T``, and the ``d x d`` co-moments are summed in one
         ``all_reduce``. Peak memory is one state, not one per rank. Every rank of the group must

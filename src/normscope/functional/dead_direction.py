@@ -14,10 +14,10 @@ The reads here compare that prediction with a measured covariance:
 * :func:`schur_quotient` -- the norm's *input* covariance along ``v*``: the quotient ``R``,
   the Schur complement ``s`` and, against a baseline read, ``Delta_gamma`` and ``deepening``.
 
-Every read returns a frozen dataclass with ``as_dict()`` (floats keyed by the METRICS names,
+Every read returns a frozen dataclass with ``as_dict()`` (floats keyed by the names of docs/metrics.md,
 ``NaN`` where a number cannot be computed) and a ``reason`` attribute, never in ``as_dict``:
 
-* ``None`` -- every number is read as METRICS defines it;
+* ``None`` -- every number is read as docs/metrics.md defines it;
 * ``"non_finite_gamma"`` -- ``gamma`` holds NaN/Inf: no prediction, every ``v*`` number is NaN;
 * ``"dead_channels"`` -- some ``|gamma_i| <= dead_tol * max|gamma|``, so ``v*`` is undefined:
   kernel reads are taken against ``span{e_i : i dead}`` instead (finite numbers), the Schur

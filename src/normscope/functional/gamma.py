@@ -51,7 +51,7 @@ def row_count(n_rows: int, where: str) -> int:
 # --------------------------------------------------------------------------- §1.1 gamma
 @dataclass(frozen=True)
 class GammaRead:
-    """The gamma read of one norm layer (METRICS §1.1); parameters only.
+    """The gamma read of one norm layer (docs/metrics.md §1.1); parameters only.
 
     ``gamma_min``/``gamma_max`` are the signed extremes of ``gamma``; ``gamma_spread`` is
     ``std(gamma) / mean(|gamma|)`` with the population std (``ddof = 0``). With a non-finite

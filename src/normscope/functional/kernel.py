@@ -21,7 +21,7 @@ __all__ = ["KernelRead", "kernel_read", "rmsnorm_alignment_max"]
 
 NORM_CLASSES = ("layernorm-like", "rmsnorm-like", "indeterminate")
 DECLARED_KINDS = ("layernorm", "rmsnorm")
-# METRICS §1.2 thresholds of norm_class: kernel_residual decides (a LayerNorm's is ~1e-15 in a
+# docs/metrics.md §1.2 thresholds of norm_class: kernel_residual decides (a LayerNorm's is ~1e-15 in a
 # float32 forward, ~1e-6 in bfloat16; an RMSNorm's 2.6e-3 .. 1.8e-2 measured at d = 32 .. 1024
 # with uneven gammas), the alignment is a second witness with a width-aware cut.
 LAYERNORM_RESIDUAL_MAX = 1e-8
@@ -39,7 +39,7 @@ _NAN = math.nan
 # ------------------------------------------------------------------------- §1.2 kernel
 @dataclass(frozen=True)
 class KernelRead:
-    """The kernel reads of one norm layer's output covariance ``C`` (METRICS §1.2).
+    """The kernel reads of one norm layer's output covariance ``C`` (docs/metrics.md §1.2).
 
     With ``P`` the predicted kernel (:func:`predicted_kernel`, ``k`` columns), ``u_1`` the
     bottom eigenvector of ``C`` and ``U_0`` the eigenvectors counted by ``null_dim``:

@@ -1,4 +1,4 @@
-"""Weight perturbations and what a normaliser does with their effect (METRICS.md §2.3).
+"""Weight perturbations and what a normaliser does with their effect (docs/metrics.md §2.3).
 
 A probe perturbs a weight ``W`` whose output reaches a normaliser, and compares ``y``, the clean
 ``(N, d)`` rows the normaliser receives, with ``y + dy``, what it receives with the perturbed
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 PERTURBATIONS = ("flip", "magnitude", "quant_binary", "quant_ternary")
-"""The perturbation names :func:`probe_read` accepts (METRICS §2.3)."""
+"""The perturbation names :func:`probe_read` accepts (docs/metrics.md §2.3)."""
 
 
 def _matrix(w: torch.Tensor, name: str) -> torch.Tensor:
@@ -255,7 +255,7 @@ def asymmetry_theory(p: float) -> float:
 
 @dataclass(frozen=True)
 class ProbeRead:
-    """METRICS §2.3 on one probed layer: the reads of :func:`probe_read` (NaN where the
+    """docs/metrics.md §2.3 on one probed layer: the reads of :func:`probe_read` (NaN where the
     perturbation needed was not run)."""
 
     asymmetry_ratio: float

@@ -1,4 +1,4 @@
-"""The residual stream's ``sigma_min`` depth profile (METRICS.md §1.4).
+"""The residual stream's ``sigma_min`` depth profile (docs/metrics.md §1.4).
 
 Residual points ``p_0, ..., p_L`` in forward order. ``sigma_min(p) = sqrt(lambda_1(S_p))``,
 ``S_p`` the *uncentred* second moment of the rows at ``p``. With identity skips

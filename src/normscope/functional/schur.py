@@ -24,7 +24,7 @@ _NAN = math.nan
 # -------------------------------------------------------------------------- §1.3 Schur
 @dataclass(frozen=True)
 class SchurRead:
-    """The Schur reads of a norm's input covariance ``C_h`` along ``v*`` (METRICS §1.3).
+    """The Schur reads of a norm's input covariance ``C_h`` along ``v*`` (docs/metrics.md §1.3).
 
     * ``schur_quotient`` ``R_q = 1 / ((v*^T C_h^-1 v*) (v*^T C_h v*))`` in ``(0, 1]``: 1 when
       ``v*`` is an eigenvector of ``C_h``. Version 1 logged ``1 - R_q`` as ``Delta_gamma``; it
@@ -97,10 +97,10 @@ def schur_quotient(
     ``Delta_gamma = 1 - s / s_baseline``, ``deepening = s_baseline / s`` (:class:`SchurRead`).
     The paper's body was not available to us: these formulas are the project's reading of its
     words ("Schur quotient", ``Delta_gamma ~ 0`` at random init and ``~ 1`` trained, dead
-    directions ``~10^3`` deeper), and the README says so. ``1 / (v*^T C_h^-1 v*)`` is the Schur
+    directions ``~10^3`` deeper), and docs/metrics.md §1.3 says so. ``1 / (v*^T C_h^-1 v*)`` is the Schur
     complement of ``C_h`` along ``v*`` (the variance of ``h`` along ``v*`` that the other
     directions cannot explain). On the demo GPT (4 x 128, LayerNorm) the deep layers' ``s``
-    falls by three orders of magnitude in the first 50 steps (README, "Dead directions").
+    falls by three orders of magnitude in the first 50 steps (docs/metrics.md §1.3).
 
     Both quadratic forms are taken on the ridged matrix ``C_h + ridge * trace(C_h) / d * I``
     (so that Cauchy-Schwarz keeps ``R_q <= 1`` exactly and an exact eigenvector gives 1); the
@@ -112,7 +112,7 @@ def schur_quotient(
         input_covariance: ``C_h`` ``(d, d)``, the covariance of what enters the norm.
         gamma: the norm's effective scale ``(d,)`` or its :class:`GammaRead`.
         n_rows: rows behind ``C_h``; below ``2 d`` the read is NaN.
-        ridge: relative ridge (default 1e-12, METRICS §1.3).
+        ridge: relative ridge (default 1e-12, docs/metrics.md §1.3).
         declared_kind: ``"rmsnorm"`` makes every number NaN (reason ``"no_gamma_kernel"``):
             an RMSNorm does not centre, so ``v*`` is no kernel of it.
         baseline: the read ``Delta_gamma`` and ``deepening`` are measured against (None: they

@@ -1,4 +1,4 @@
-"""The sign–magnitude reads (METRICS.md §2): plain functions on tensors, float64 inside.
+"""The sign–magnitude reads (docs/metrics.md §2): plain functions on tensors, float64 inside.
 
 **Parameter reads** on a weight ``W`` (out x in), bundled by :func:`weight_read`:
 :func:`sign_alignment` ``cos^2(W, sign W)`` (whole matrix and row by row),
@@ -272,7 +272,7 @@ def sign_churn(prev_signs: torch.Tensor | None, w: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class WeightRead:
-    """METRICS §2.1 on one weight: the reads of :func:`weight_read`."""
+    """docs/metrics.md §2.1 on one weight: the reads of :func:`weight_read`."""
 
     sign_alignment: float
     sign_alignment_rowwise: float
@@ -292,7 +292,7 @@ class WeightRead:
 
 
 def weight_read(w: torch.Tensor, prev_signs: torch.Tensor | None = None) -> WeightRead:
-    """Every parameter read of ``W`` (METRICS §2.1).
+    """Every parameter read of ``W`` (docs/metrics.md §2.1).
 
     Args:
         w: the weight ``(out, in)``.
@@ -319,7 +319,7 @@ def weight_read(w: torch.Tensor, prev_signs: torch.Tensor | None = None) -> Weig
 # --------------------------------------------------------------------- outlier reads
 @dataclass(frozen=True)
 class OutlierRead:
-    """METRICS §2.2 on one Linear layer's input: the reads of :func:`outlier_amplitudes`.
+    """docs/metrics.md §2.2 on one Linear layer's input: the reads of :func:`outlier_amplitudes`.
 
     ``top_channels`` holds the indices of the largest ``alpha_j^2``, largest first, for reports;
     it is not a metric and not in :meth:`as_dict`.

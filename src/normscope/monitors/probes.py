@@ -39,7 +39,7 @@ class ProbeReads:
 
     @torch.no_grad()
     def probe(self, forward: Callable[[], Any]) -> dict[str, ProbeRead]:
-        """Probe reads (METRICS §2.3) of every probe layer, weights restored bit-exactly."""
+        """Probe reads (docs/metrics.md §2.3) of every probe layer, weights restored bit-exactly."""
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()
         try:

@@ -1,4 +1,4 @@
-"""The sign–magnitude reads on a schedule, independent of any trainer (METRICS.md §2).
+"""The sign–magnitude reads on a schedule, independent of any trainer (docs/metrics.md §2).
 
 :class:`SignMagnitudeTracker` watches a model's Linear layers:
 
@@ -7,7 +7,7 @@
 * **outlier reads** (hooks on the same Linears' inputs, folded on sampled steps like the
   dead-direction taps): the per-channel second moment ``E[x_j^2]`` in float64 (``n`` numbers,
   not ``n^2``), from which ``max_leverage`` and ``outlier_leverage`` follow;
-* **probe reads** (a few layers, on a fixed probe batch): each perturbation of METRICS §2.3 is
+* **probe reads** (a few layers, on a fixed probe batch): each perturbation of docs/metrics.md §2.3 is
   applied to the weight in place, the next normaliser's input is captured, and the weight is
   restored **bit-exactly** from a saved copy. Everything runs under ``no_grad`` in eval mode;
   no gradient or optimiser state is touched and the model's train/eval flags are restored.

@@ -1,4 +1,4 @@
-"""Finding a model's normalisation layers and reading their effective scale (METRICS.md §1.1).
+"""Finding a model's normalisation layers and reading their effective scale (docs/metrics.md §1.1).
 
 A norm layer is described by a :class:`NormLayer`: its path, kind (``"layernorm"`` centres
 then scales, ``"rmsnorm"`` only scales), width ``d``, ``eps`` and how to read its effective
