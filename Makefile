@@ -28,7 +28,7 @@ test: lint
 # The main job: a small pre-norm GPT trained on this machine's Python sources with
 # DeadDirectionMonitor attached; logs to CSV and W&B (offline unless you are logged in).
 demo: venv
-	$(PY) examples/demo.py $(DEMO_ARGS)
+	$(PY) -m examples.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -4,7 +4,7 @@ complement moves with the row count.
 
     python benchmarks/fidelity.py                 # about 2-4 min on one CPU thread
 
-1. The demo GPT (examples/nanogpt.py, 4 x 128, LayerNorm, batch 32 x 64 = 2048 rows a read)
+1. The demo GPT (examples/nanogpt.py, data from examples/data.py, 4 x 128, LayerNorm, batch 32 x 64 = 2048 rows a read)
    trained with DeadDirectionMonitor, reads at steps 1, 10, 20, 30, 50: Delta_gamma and
    deepening per layer (new definition) and 1 - R_q (version 1's Delta_gamma).
 2. The same run with the cancelling MLP branch of block 2 switched on at step 25: the margin at
@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
-from nanogpt import GPTConfig, LitGPT, make_dataloaders  # noqa: E402
+from examples.data import make_dataloaders  # noqa: E402
+from examples.lit_gpt import LitGPT  # noqa: E402
+from examples.nanogpt import GPTConfig  # noqa: E402
 from tests.callbacks.tiny_models import cpu_trainer  # noqa: E402
 
 from normscope import DeadDirectionMonitor, scan_model  # noqa: E402

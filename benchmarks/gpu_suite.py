@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: examples
 from _common import machine, machine_line, markdown_table, median_time, sync, write_outputs  # noqa: E402
 from read_cost import every_for, model_read_cost, test_matrix  # noqa: E402
 
@@ -430,7 +430,9 @@ def table_read(rows: list[dict[str, Any]]) -> str:
 def _fit(
     dev: torch.device, sz: Sizes, monitors: list[Any], steps: int, every: int, clock: Clock
 ) -> dict[str, Any]:
-    from nanogpt import GPTConfig, LitGPT, make_dataloaders
+    from examples.data import make_dataloaders
+    from examples.lit_gpt import LitGPT
+    from examples.nanogpt import GPTConfig
     from overhead import StepTimer, summarise, timed_trainer
 
     n_layer, width, block = sz.train_model

@@ -35,8 +35,10 @@ from typing import Any
 import lightning as L
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from nanogpt import GPTConfig, LitGPT, make_dataloaders  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: examples
+from examples.data import make_dataloaders  # noqa: E402
+from examples.lit_gpt import LitGPT  # noqa: E402
+from examples.nanogpt import GPTConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, machine_line, markdown_table, write_outputs  # noqa: E402

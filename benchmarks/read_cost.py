@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: examples
 from _common import machine, machine_line, markdown_table, median_time, write_outputs  # noqa: E402
-from nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
+from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
 from normscope.functional import (  # noqa: E402
     kernel_read,

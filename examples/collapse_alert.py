@@ -6,18 +6,15 @@ starts cancelling part of the stream (``f(x) = mlp(ln_2(x)) - 0.95 x P``, P a ra
 next read sees ``sigma_min`` fall at exactly that sublayer, raises the alert (console, Python
 logging, W&B), and with ``stop_on_alert=True`` training stops.
 
-    python examples/collapse_alert.py                # cancel at step 100 in block 2, stop on alert
-    python examples/collapse_alert.py --no-stop      # keep training: watch the model adapt
+    python -m examples.collapse_alert                # cancel at step 100 in block 2, stop on alert
+    python -m examples.collapse_alert --no-stop      # keep training: watch the model adapt
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import demo  # noqa: E402
+from examples import demo
 
 
 def main(argv: list[str] | None = None):

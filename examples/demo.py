@@ -1,9 +1,9 @@
 """The normscope demo: a small pre-norm GPT trained on this machine's Python sources, watched by
 DeadDirectionMonitor.
 
-    python examples/demo.py                    # LayerNorm GPT, 400 steps, a read every 50
-    python examples/demo.py --norm rmsnorm     # the same with RMSNorm: no gamma kernel
-    python examples/demo.py --cancel-at 200    # a cancelling MLP branch from step 200: the alert
+    python -m examples.demo                    # LayerNorm GPT, 400 steps, a read every 50
+    python -m examples.demo --norm rmsnorm     # the same with RMSNorm: no gamma kernel
+    python -m examples.demo --cancel-at 200    # a cancelling MLP branch from step 200: the alert
 
 Logs go to ``normscope_runs/`` as CSV and as a W&B run (offline unless you are logged in:
 ``wandb sync normscope_runs/wandb/offline-run-*`` uploads it later). What to look at: each read
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -24,10 +23,10 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nanogpt import GPTConfig, LitGPT, make_dataloaders  # noqa: E402
-
-from normscope import DeadDirectionMonitor  # noqa: E402
+from examples.data import make_dataloaders
+from examples.lit_gpt import LitGPT
+from examples.nanogpt import GPTConfig
+from normscope import DeadDirectionMonitor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

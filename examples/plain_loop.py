@@ -4,22 +4,19 @@
 (snapshotting the gammas the forward runs with), reads on schedule at the end, evaluates the
 alert rules and logs to any callable (a print here; ``wandb.log`` works the same way).
 
-    python examples/plain_loop.py                  # 60 steps, a read every 20
-    python examples/plain_loop.py --cancel-at 30   # a cancelling MLP branch from step 30: alert
+    python -m examples.plain_loop                  # 60 steps, a read every 20
+    python -m examples.plain_loop --cancel-at 30   # a cancelling MLP branch from step 30: alert
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nanogpt import GPT, GPTConfig, make_dataloaders  # noqa: E402
-
-from normscope import DeadDirectionTracker  # noqa: E402
+from examples.data import make_dataloaders
+from examples.nanogpt import GPT, GPTConfig
+from normscope import DeadDirectionTracker
 
 
 def main(argv: list[str] | None = None) -> list:

@@ -12,27 +12,25 @@ prints how ternary readiness and sign churn evolved:
   the next RMSNorm (smaller is readier);
 * ``sign_churn`` -- the share of weight signs that changed since the previous read.
 
-    python examples/ternary_qat.py                 # 300 steps each, a read every 50
+    python -m examples.ternary_qat                 # 300 steps each, a read every 50
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
-from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nanogpt import GPTConfig, LitGPT, make_dataloaders  # noqa: E402
-
-from normscope import SignMagnitudeMonitor  # noqa: E402
-from normscope.functional import ternary_quantize  # noqa: E402
+from examples.data import make_dataloaders
+from examples.lit_gpt import LitGPT
+from examples.nanogpt import GPTConfig
+from normscope import SignMagnitudeMonitor
+from normscope.functional import ternary_quantize
 
 
 class TernaryLinear(nn.Linear):

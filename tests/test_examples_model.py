@@ -8,27 +8,16 @@ stream's ``sigma_min`` fall at that sublayer (about 10x on the tiny model here),
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
+from examples.data import make_dataloaders, stdlib_files, stdlib_root, stdlib_text
+from examples.lit_gpt import LitGPT, lr_lambda
+from examples.nanogpt import GPT, GPTConfig
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from nanogpt import (  # noqa: E402
-    GPT,
-    GPTConfig,
-    LitGPT,
-    lr_lambda,
-    make_dataloaders,
-    stdlib_files,
-    stdlib_root,
-    stdlib_text,
-)
 
 torch.set_num_threads(1)  # a shared 2-core machine: one thread is the fast choice (see nanogpt)
 

@@ -8,16 +8,11 @@ cancelling branch takes the step at its sublayer to about 0.4.
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-import collapse_alert  # noqa: E402
-import demo  # noqa: E402
+from examples import collapse_alert, demo
 
 
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])

@@ -3,15 +3,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-import plain_loop  # noqa: E402
+from examples import plain_loop
 
 
 @pytest.mark.filterwarnings("ignore:normscope alert")

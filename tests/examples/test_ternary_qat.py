@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-
-import ternary_qat  # noqa: E402
-
-from normscope.functional import ternary_quantize  # noqa: E402
+from examples import ternary_qat
+from normscope.functional import ternary_quantize
 
 
 def test_ternary_linear_forward_is_quantised_and_gradient_straight_through():

@@ -1,10 +1,10 @@
 """Text for a scan: a file, a folder, or (by default) the Python standard library's own source,
 cut into token windows with the model's tokenizer.
 
-The default corpus is the demo's (``examples/nanogpt.py``): the running Python's standard
+The default corpus is the demo's (``examples/data.py``): the running Python's standard
 library ``.py`` files sorted by relative path, installed packages and the stdlib's own test
 suite left out, read at run time. The same bytes on every machine with the same Python, no
-download. ``examples/nanogpt.py`` imports :func:`stdlib_root` and :func:`stdlib_files` from
+download. ``examples/data.py`` imports :func:`stdlib_root` and :func:`stdlib_files` from
 here, so the two corpora cannot drift apart.
 """
 
