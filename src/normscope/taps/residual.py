@@ -114,11 +114,18 @@ class ResidualLayout:
 
 
 def tap_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The tensor a forward pre-hook taps: the first positional argument, else ``hidden_states``."""
+    """The tensor a forward pre-hook taps: the first positional argument, else the first of the
+    keywords ``hidden_states``, ``input`` (``nn.LayerNorm(input=x)``), ``x`` that holds a tensor."""
     if args and isinstance(args[0], torch.Tensor):
         return args[0]
-    value = kwargs.get("hidden_states")
-    return value if isinstance(value, torch.Tensor) else None
+    for name in _INPUT_KEYWORDS:
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+_INPUT_KEYWORDS = ("hidden_states", "input", "x")
 
 
 def tap_output(output: object) -> torch.Tensor | None:
