@@ -115,3 +115,15 @@ def test_sinks_deliver_and_build_sinks_refuses_unknown_names(caplog) -> None:
     assert build_sinks(None) == [] and len(build_sinks("log")) == 1
     with pytest.raises(ValueError, match="unknown sink 'pager'"):
         build_sinks(["pager"])
+
+
+def test_every_deliberate_error_shares_one_base_and_keeps_its_builtin() -> None:
+    import normscope
+    from normscope.cli.errors import CLIError
+    from normscope.runs import RunReadError
+    from normscope.taps.norms import NormDiscoveryError
+    from normscope.taps.residual import ResidualDiscoveryError
+
+    for cls in (NormDiscoveryError, ResidualDiscoveryError, RunReadError):
+        assert issubclass(cls, normscope.NormscopeError) and issubclass(cls, ValueError)
+    assert issubclass(CLIError, normscope.NormscopeError)

@@ -20,6 +20,7 @@ _LAZY = {
     "scan_model": "normscope.monitors.scan",
     "SignMagnitudeMonitor": "normscope.callbacks.sign_magnitude",
     "SignMagnitudeTracker": "normscope.monitors.sign_magnitude",
+    "NormscopeError": "normscope._common",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from normscope._common import NormscopeError
+
 __all__ = [
     "RunLog",
     "RunReadError",
@@ -48,7 +50,7 @@ _STEP_KEYS = ("trainer/global_step", "step", "_step")
 _AT_STEP = re.compile(r"\bat step (\d+)\b")
 
 
-class RunReadError(ValueError):
+class RunReadError(NormscopeError, ValueError):
     """A path that is not a readable run (the message says what was expected)."""
 
 

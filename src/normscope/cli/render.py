@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from normscope._common import fmt
 from normscope.cli.errors import CLIError
 
 __all__ = [
@@ -130,8 +131,7 @@ def out_dir(path: str | Path, create: bool = True) -> Path:
     return out
 
 
-def _f(value: Any, spec: str) -> str:
-    return "nan" if value is None else format(value, spec)
+_f = fmt
 
 
 # ------------------------------------------------------------------------------ scan

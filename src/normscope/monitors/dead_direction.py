@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normscope._common import fmt_bytes, warn_disabled
 from normscope.functional.cancellation import no_cancellation_margin
 from normscope.functional.dead_direction import (
     GammaRead,
@@ -473,12 +474,7 @@ class DeadDirectionTracker:
 
 
 def _warn_disabled(what: str, reason: str) -> None:
-    warnings.warn(
-        f"normscope: {what} failed and is disabled for the rest of the run; the other reads go "
-        f"on ({reason})",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    warn_disabled(what, reason, stacklevel=3)
 
 
 def _stream_width(norms: Sequence[NormLayer], layout: ResidualLayout) -> int:
@@ -491,11 +487,7 @@ def _stream_width(norms: Sequence[NormLayer], layout: ResidualLayout) -> int:
     return max(by_name.values())
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+_fmt_bytes = fmt_bytes
 
 
 def _tap_cost(

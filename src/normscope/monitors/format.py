@@ -5,18 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from normscope._common import fmt
 from normscope.alerts import Alert
 from normscope.monitors.dead_direction import DeadDirectionReport, key_path
 
 __all__ = ["format_read_line", "format_summary", "format_table"]
 
 
-def _f(value: float, spec: str = ".4g") -> str:
-    return (
-        "nan"
-        if value is None or (isinstance(value, float) and math.isnan(value))
-        else format(value, spec)
-    )
+_f = fmt
 
 
 def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -> str:

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normscope._common import warn_disabled
 from normscope.functional.sign_magnitude import (
     OutlierRead,
     ProbeRead,
@@ -325,12 +325,7 @@ class SignMagnitudeTracker(ProbeReads):
         if key in self.failed:
             return
         self.failed[key] = f"{type(err).__name__}: {err}"
-        warnings.warn(
-            f"normscope: {what} failed and is disabled for the rest of the run; the other "
-            f"reads go on ({self.failed[key]})",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warn_disabled(what, self.failed[key], stacklevel=3)
 
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:

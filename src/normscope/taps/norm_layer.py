@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from normscope._common import NormscopeError
+
 __all__ = [
     "KINDS",
     "NormDiscovery",
@@ -21,7 +23,7 @@ __all__ = [
 KINDS = ("layernorm", "rmsnorm")
 
 
-class NormDiscoveryError(ValueError):
+class NormDiscoveryError(NormscopeError, ValueError):
     """No usable norm layer, an unknown layer name, or an adapter that failed."""
 
 

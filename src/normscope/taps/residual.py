@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from normscope._common import NormscopeError
 from normscope.taps.norms import NormLayer, find_norm_layers
 
 __all__ = [
@@ -63,7 +64,7 @@ _POST_NORM_NOTE = (
 )
 
 
-class ResidualDiscoveryError(ValueError):
+class ResidualDiscoveryError(NormscopeError, ValueError):
     """No block stack, or a forward pass that does not run one in sequence."""
 
 
