@@ -45,6 +45,7 @@ def scan_model(
     null_tol: float = 1e-10,
     baseline: DeadDirectionReport | None = None,
     max_memory: int | None = None,
+    sources: Any = None,
 ) -> DeadDirectionReport:
     """Every dead-direction read of ``model`` on ``batches`` (forward passes only, no grad).
 
@@ -63,6 +64,11 @@ def scan_model(
         max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor), as the
             monitor's: over it, points and layers are read at a stride over depth and a warning
             names what was left out (those are missing from the report).
+        sources: name each batch's (or each sample's) source, as the tracker's ``sources=``:
+            ``fn(batch) -> str``, ``fn(batch) -> labels per sample``, or a batch field name.
+            The report then holds a profile per source (``report.sources``,
+            ``dd.<source>/<point>/<metric>``) and the classification of every collapse
+            (``report.collapses``, ``dd/collapse_class``); the pooled keys are unchanged.
 
     Returns:
         a :class:`DeadDirectionReport`; ``report.as_dict()`` is keyed exactly like the monitor's
@@ -80,6 +86,12 @@ def scan_model(
         raise ValueError("scan_model: no batches given (pass at least one batch of inputs)")
     was_training = model.training
     model.eval()
+    labels: list[Any] = [None] * len(batches)
+    if sources is not None:
+        from normscope.taps.sources import resolve_labels
+
+        labels = [resolve_labels(sources, b) for b in batches]  # a bad spec raises here
+    names = {n for lab in labels if lab is not None for n in lab.names}
     tracker = DeadDirectionTracker(
         model,
         layers=layers,
@@ -87,6 +99,8 @@ def scan_model(
         max_rows_per_step=max_rows_per_batch,
         null_tol=null_tol,
         max_memory=max_memory,
+        sources=sources,
+        max_sources=max(len(names), 1),
     )
     try:
         tracker.attach(forward=lambda: call_model(model, batches[0]))
@@ -98,8 +112,12 @@ def scan_model(
             tracker.baseline_rows = {
                 name: norm.schur.n_rows for name, norm in baseline.norms.items()
             }
-        for batch in batches:
-            with tracker.gate.sampling(mask=batch_mask(batch)):
+        for batch, label in zip(batches, labels):
+            if label is not None and tracker.split is not None:
+                tracker.split.ensure(label.names)
+            else:
+                label = None
+            with tracker.gate.sampling(mask=batch_mask(batch), sources=label):
                 call_model(model, batch)
         return tracker.read(step=0, reduce=False)
     finally:
