@@ -178,7 +178,11 @@ def main(argv: list[str] | None = None) -> DeadDirectionMonitor:
     )
     loader = DataLoader(Mixture(code_share=args.code_share), batch_size=32, shuffle=False)
     monitor = DeadDirectionMonitor(
-        every_n_steps=args.every, sources="source", alerts=("log",), verbose=not args.quiet
+        every_n_steps=args.every,
+        sources="source",
+        alerts=("log",),
+        verbose=not args.quiet,
+        overhead_warn=None,
     )
     trainer = L.Trainer(
         max_steps=args.steps,
