@@ -222,3 +222,44 @@ def test_log_per_layer_keeps_the_worst_source_points():
     kept = select_layers(g, 1)
     assert "dd.code/h.2.ln_1/sigma_min_step" in kept
     assert "dd/collapse_class" in kept and "dd.code/sigma_min_ratio_min" in kept
+
+
+def test_a_label_field_is_not_passed_to_the_model():
+    from tests.callbacks.tiny_models import TinyLM
+
+    torch.manual_seed(0)
+    m = TinyLM().eval()  # forward(idx): a "source" keyword would be a TypeError
+    batches = [
+        {"idx": torch.randint(32, (8, 16)), "source": ["x"] * 4 + ["y"] * 4} for _ in range(3)
+    ]
+    r = scan_model(m, batches, sources="source")
+    assert sorted(r.sources) == ["x", "y"]
+    assert r.as_dict()["dd.x/n_rows"] == 3 * 4 * 16
+
+
+def test_plain_loop_step_with_sources():
+    torch.manual_seed(0)
+    m = example.SourceLM()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    tracker = DeadDirectionTracker(m, sources="source")
+    logged = []
+    reports = []
+    for step, batch in enumerate(mixture_batches(n=256) * 2):
+        if step == 5:
+            m.set_cancel(1, 0.95, gated=True)
+        with tracker.step(batch, every_n_steps=4, log=logged.append, alerts=()) as result:
+            logits = m(batch["input_ids"])
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), batch["input_ids"][:, 1:].flatten()
+            )
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if result.report is not None:
+            reports.append(result.report.as_dict())
+    assert len(reports) >= 3 and all("dd.code/sigma_min_ratio_min" in r for r in reports)
+    assert reports[0]["dd/collapse_class"] == 0.0
+    assert reports[-1]["dd/collapse_class"] == 2.0
+    assert any("dd.prose/n_rows" in m for m in logged)
+    watch = tracker._normscope_watch
+    assert any(a.rule == "source_collapse" for a in watch.monitor.alerts_fired)

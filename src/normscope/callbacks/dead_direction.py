@@ -306,6 +306,11 @@ class DeadDirectionMonitor(MonitorCallback):
     def _attach(self, pl_module: LightningModule, batch: Any) -> None:
         assert self.tracker is not None
         forward = self.example_forward or call_model
+        if self.example_forward is None and isinstance(self.sources, str):
+            field = self.sources  # a label field is no model input
+
+            def forward(module: LightningModule, batch: Any) -> Any:
+                return call_model(module, batch, (field,))
         try:
             # eager even on a compiled model: dynamo must not trace discovery's identity hooks
             with torch.no_grad(), eager_forwards():

@@ -15,11 +15,13 @@ __all__ = ["call_model", "batch_mask", "scan_model"]
 _NOT_INPUTS = ("labels", "label", "targets")
 
 
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """Run ``model`` on a batch the way a user would: a dict as keyword arguments (labels
-    dropped), a tuple/list by its first element (``(inputs, targets)``), a tensor as is."""
+def call_model(model: nn.Module, batch: Any, drop: tuple[str, ...] = ()) -> Any:
+    """Run ``model`` on a batch the way a user would: a dict as keyword arguments (labels and
+    the ``drop`` fields left out: a ``sources=`` field name), a tuple/list by its first element
+    (``(inputs, targets)``), a tensor as is."""
     if isinstance(batch, dict):
-        return model(**{k: v for k, v in batch.items() if k not in _NOT_INPUTS})
+        skip = (*_NOT_INPUTS, *drop)
+        return model(**{k: v for k, v in batch.items() if k not in skip})
     if isinstance(batch, (tuple, list)):
         return model(batch[0])
     return model(batch)
@@ -102,8 +104,9 @@ def scan_model(
         sources=sources,
         max_sources=max(len(names), 1),
     )
+    drop = (sources,) if isinstance(sources, str) else ()  # a label field is no model input
     try:
-        tracker.attach(forward=lambda: call_model(model, batches[0]))
+        tracker.attach(forward=lambda: call_model(model, batches[0], drop))
         if baseline is not None:
             # Delta_gamma against the baseline's Schur complements, on its row counts
             tracker.baselines = {
@@ -118,7 +121,7 @@ def scan_model(
             else:
                 label = None
             with tracker.gate.sampling(mask=batch_mask(batch), sources=label):
-                call_model(model, batch)
+                call_model(model, batch, drop)
         return tracker.read(step=0, reduce=False)
     finally:
         tracker.detach()
