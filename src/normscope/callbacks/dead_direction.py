@@ -311,6 +311,7 @@ class DeadDirectionMonitor(MonitorCallback):
 
             def forward(module: LightningModule, batch: Any) -> Any:
                 return call_model(module, batch, (field,))
+
         try:
             # eager even on a compiled model: dynamo must not trace discovery's identity hooks
             with torch.no_grad(), eager_forwards():
