@@ -115,6 +115,7 @@ def _reads(metrics: Mapping[str, float]) -> dict[str | None, dict[str, dict[str,
 def _onsets(read: dict[str, dict[str, float]], order: list[str], rule: Any) -> set[str]:
     onsets: set[str] = set()
     upstream = False
+    threshold = (rule if rule is not None else SigmaMinRatioRule()).threshold
     for point in order:
         values = read.get(point)
         if values is None:
@@ -122,9 +123,10 @@ def _onsets(read: dict[str, dict[str, float]], order: list[str], rule: Any) -> s
         below = below_floor(values, rule)
         if not below:
             continue
-        step = values.get("sigma_min_step", math.nan)
-        step_below = below_floor({"sigma_min_step": step, "n_rows": values.get("n_rows", 1)}, rule)
-        if not (upstream and step_below is False):  # else: downstream of a collapse counted
+        # as SigmaMinRatioRule: below on the cumulative ratio only, its own step fine, after a
+        # collapse upstream in this read: a consequence, counted there
+        step_ok = values.get("sigma_min_step", math.inf) >= threshold
+        if not (upstream and step_ok):
             onsets.add(point)
         upstream = True
     return onsets
