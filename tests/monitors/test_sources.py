@@ -263,3 +263,14 @@ def test_plain_loop_step_with_sources():
     assert any("dd.prose/n_rows" in m for m in logged)
     watch = tracker._normscope_watch
     assert any(a.rule == "source_collapse" for a in watch.monitor.alerts_fired)
+
+
+def test_read_line_names_the_sources_and_the_class():
+    from normscope.monitors.format import format_read_line
+
+    r = scan_model(model("source"), mixture_batches(), sources="source")
+    line = format_read_line(r)
+    assert "by source: code " in line and "prose " in line
+    assert "distribution-dependent collapse at h.2.ln_1" in line
+    plain = format_read_line(scan_model(model("source"), mixture_batches()))
+    assert "by source" not in plain
