@@ -217,7 +217,7 @@ def plan(label: str, d: int, n_layer: int, budget: int | None, residual: bool) -
         points = []
     chosen, kept = list(norms), list(points)
     if budget is not None:
-        chosen, kept, _ = _plan_budget(list(norms), points, d, budget)
+        chosen, kept, *_ = _plan_budget(list(norms), points, d, budget)
     index = [norms.index(n) for n in chosen]
     if len(chosen) == len(norms):
         stride = "all"

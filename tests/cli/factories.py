@@ -38,3 +38,25 @@ def not_a_model() -> str:
 
 
 INSTANCE = tiny_lm()  # a module attribute that is already an nn.Module
+
+
+def source_lm_with_tokenizer() -> tuple[nn.Module, object]:
+    """``examples/sources.py``'s model at random init, its MLP branch of block 1 cancelling on
+    code tokens only, and a tokenizer that sends lowercase letters and blanks to the prose ids
+    (0..31) and every other character to the code ids (32..63)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import sources
+
+    torch.manual_seed(0)
+    model = sources.SourceLM()
+    model.set_cancel(1, 0.95, gated=True)
+
+    def encode(text: str) -> list[int]:
+        return [
+            ord(c) % 32 + (0 if c.islower() or c.isspace() else sources.CODE_FIRST) for c in text
+        ]
+
+    return model, encode

@@ -199,3 +199,42 @@ def test_logged_depth_orders_points_that_path_order_would_get_wrong() -> None:
     assert depth_order(names, reads) == ["e", names[0], names[1]]
     del reads[1.0]["dd/decoder.layers.0.final_layer_norm/depth"]
     assert depth_order(names, reads) == ["e", names[1], names[0]]  # inferred: path order
+
+
+def test_report_of_a_run_with_sources_shows_them_and_the_classification(tmp_path: Path) -> None:
+    """A CSV-logged fit of examples/sources.py (the collapse on the code source only): the
+    report reads the dd.<source>/ keys, tabulates each source and the collapse's class, and
+    re-evaluates the source rule (the CSV holds no alert record)."""
+    import sys
+
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import sources
+
+    torch.manual_seed(0)
+    monitor = DeadDirectionMonitor(
+        every_n_steps=10, verbose=False, alerts=(), sources="source", overhead_warn=None
+    )
+    trainer = cpu_trainer(30, [monitor], logger=[CSVLogger(tmp_path, name="csv")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(
+            sources.LitSource(cancel_at=20),
+            DataLoader(sources.Mixture(code_share=0.25), batch_size=32),
+        )
+    assert monitor.last_report.as_dict()["dd/collapse_class"] == 2.0
+    out = tmp_path / "report"
+    code, stdout, stderr = run_cli("report", tmp_path / "csv" / "version_0", "--out", out)
+    assert code == 0, stderr
+    result = load_json(out / "report.json")
+    assert result["sources"] == ["code", "prose"]
+    last = result["source_reads"][-1]
+    assert last["step"] == "30" and last["collapse"] == "distribution-dependent"
+    assert last["at"] == "model.h.2.ln_1"
+    assert last["code ratio_min (rows)"].endswith("(128)")  # 8 code samples of 32 x 16 tokens
+    assert [r["collapse"] for r in result["source_reads"][:-1]] == ["none"] * 3
+    texts = [a["text"] for a in result["alerts"]]
+    assert any("under source 'code' only" in t for t in texts), texts
+    assert not any(t.startswith("sigma_min_collapse") for t in texts)  # pooled stays healthy
+    assert "Per source:" in stdout and "## Per source" in (out / "report.md").read_text()

@@ -277,3 +277,42 @@ def test_max_memory_reads_a_stride_and_says_what_was_left_out(tmp_path: Path) ->
     assert code == 0, stderr
     assert load_json(tmp_path / "tiny" / "report.json")["norms"] == []
     assert (tmp_path / "tiny" / "gamma.png").stat().st_size > 1000
+
+
+def test_scan_of_two_sources_classifies_the_collapse(tmp_path: Path) -> None:
+    """``--data prose=... --data code=...``: each source its own profile and keys, the pooled
+    profile that of a scan of both texts together, the collapse named with its source."""
+    prose, code = tmp_path / "prose.txt", tmp_path / "code.txt"
+    prose.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    code.write_text("X=(A+B)*C;\nIF(N>0){Y[I]=Z%2;}\n" * 60)
+    code_rc, stdout, stderr = run_cli(
+        "scan", "tests.cli.factories:source_lm_with_tokenizer", "--data", f"prose={prose}",
+        "--data", f"code={code}", "--tokens", 512, "--seq-len", 32, "--out", tmp_path / "out",
+    )  # fmt: skip
+    assert code_rc == 0, stderr
+    result = load_json(tmp_path / "out" / "report.json")
+    assert [s["name"] for s in result["data"]["sources"]] == ["prose", "code"]
+    assert result["data"]["tokens"] == 1024
+    assert {n: s["n_rows"] for n, s in result["sources"].items()} == {"prose": 512, "code": 512}
+    metrics = result["metrics"]
+    assert metrics["dd.code/h.2.ln_1/sigma_min_step"] < 0.5  # measured 0.33
+    assert metrics["dd.prose/h.2.ln_1/sigma_min_step"] > 0.8
+    assert metrics["dd/collapse_class"] == 2.0
+    first = result["collapses"][0]
+    assert (first["point"], first["class"], first["below"]) == (
+        "h.2.ln_1", "distribution-dependent", ["code"],
+    )  # fmt: skip
+    assert any(
+        a["rule"] == "source_collapse" and "under source 'code' only" in a["message"]
+        for a in result["alerts"]
+    )
+    assert "collapse at h.2.ln_1 (depth 4): distribution-dependent" in stdout
+    assert "## Per source" in (tmp_path / "out" / "report.md").read_text()
+    # one unnamed --data: the scan of old, no per-source keys
+    rc, _, stderr = run_cli(
+        "scan", "tests.cli.factories:source_lm_with_tokenizer", "--data", prose, "--tokens",
+        512, "--seq-len", 32, "--baseline", "none", "--out", tmp_path / "one",
+    )  # fmt: skip
+    assert rc == 0, stderr
+    one = load_json(tmp_path / "one" / "report.json")
+    assert one["sources"] == {} and not any(k.startswith("dd.") for k in one["metrics"])

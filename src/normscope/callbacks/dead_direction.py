@@ -12,7 +12,14 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from normscope.alerts import Alert, AlertRule, KernelLossRule, SigmaMinRatioRule, build_sinks
+from normscope.alerts import (
+    Alert,
+    AlertRule,
+    KernelLossRule,
+    SigmaMinRatioRule,
+    SourceCollapseRule,
+    build_sinks,
+)
 from normscope.callbacks._base import (
     MonitorCallback,
     check_strategy,
@@ -84,6 +91,13 @@ class DeadDirectionMonitor(MonitorCallback):
         log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
             ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.integrations.layers`)
             and every run-level key. Alert rules still see every layer.
+        sources: name each sampled row's source: ``fn(batch) -> str`` (the whole batch one
+            source), ``fn(batch) -> labels`` (a sequence or tensor, one per sample) or a batch
+            field name. Adds a profile per source (``dd.<source>/<point>/<metric>``), the
+            classification of each collapse (``dd/collapse_class``: 1 intrinsic, 2
+            distribution-dependent, 3 undetermined, 0 none) and a
+            :class:`~normscope.alerts.SourceCollapseRule`; the pooled keys are unchanged.
+        max_sources: sources tracked (``max_memory`` plans for this many).
 
     Raises:
         MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
@@ -126,6 +140,8 @@ class DeadDirectionMonitor(MonitorCallback):
         seed: int = 0,
         overhead_warn: float | None = 0.05,
         log_per_layer: str | int = "all",
+        sources: Callable[[Any], Any] | str | None = None,
+        max_sources: int = 8,
     ) -> None:
         super().__init__(every_n_steps, overhead_warn)
         try:
@@ -153,6 +169,16 @@ class DeadDirectionMonitor(MonitorCallback):
         self.rules: list[AlertRule] = [self.sigma_rule]
         if self.kernel_rule is not None:
             self.rules.append(self.kernel_rule)
+        if sources is not None and not (isinstance(sources, str) or callable(sources)):
+            raise MisconfigurationException(
+                "DeadDirectionMonitor: sources must be fn(batch) -> str | labels per sample, or "
+                f"a batch field name, got {type(sources).__name__}"
+            )
+        self.sources = sources
+        self.max_sources = max_sources
+        self.source_rule = SourceCollapseRule(self.sigma_rule) if sources is not None else None
+        if self.source_rule is not None:
+            self.rules.append(self.source_rule)
         self.rules.extend(rules)
         self.layers = layers if layers == "auto" else list(layers)
         self.residual = residual
@@ -193,7 +219,12 @@ class DeadDirectionMonitor(MonitorCallback):
                 null_tol=self.null_tol,
                 seed=self.seed,
                 max_memory=self.max_memory,
+                sources=self.sources,
+                max_sources=self.max_sources,
             )
+            self.tracker.source_rule = self.sigma_rule
+        except (TypeError, ValueError) as err:
+            raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
         except NormDiscoveryError as err:
             raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
         self.tracker.baselines.update(self._baselines)
@@ -216,6 +247,7 @@ class DeadDirectionMonitor(MonitorCallback):
         if self._in_window(trainer.global_step):
             tracker.snapshot_gammas()  # the gammas this window's forwards use
             tracker.gate.mask = batch_mask(batch)
+            tracker.gate.sources = tracker.label(batch)
             tracker.gate.open = True
 
     @fail_open
@@ -227,6 +259,7 @@ class DeadDirectionMonitor(MonitorCallback):
             return
         tracker.gate.open = False
         tracker.gate.mask = None
+        tracker.gate.sources = None
         completed = self._step_at_batch_start  # the optimiser step these micro-batches belong to
         if trainer.global_step == completed:
             return  # mid accumulation
@@ -273,6 +306,12 @@ class DeadDirectionMonitor(MonitorCallback):
     def _attach(self, pl_module: LightningModule, batch: Any) -> None:
         assert self.tracker is not None
         forward = self.example_forward or call_model
+        if self.example_forward is None and isinstance(self.sources, str):
+            field = self.sources  # a label field is no model input
+
+            def forward(module: LightningModule, batch: Any) -> Any:
+                return call_model(module, batch, (field,))
+
         try:
             # eager even on a compiled model: dynamo must not trace discovery's identity hooks
             with torch.no_grad(), eager_forwards():
@@ -293,8 +332,12 @@ class DeadDirectionMonitor(MonitorCallback):
                 # The no-cancellation bound is a pre-norm statement: on post-LN blocks the
                 # profile is logged, but a ratio below 1 is not an alert.
                 self.rules.remove(self.sigma_rule)
+                if self.source_rule in self.rules:
+                    self.rules.remove(self.source_rule)
                 rank_zero_info("normscope: post-norm model: sigma_min alerts are off")
         self.sigma_rule.sublayers = profile_subs
+        if self.source_rule is not None:
+            self.source_rule.sublayers = profile_subs
 
     # ------------------------------------------------------------ the read
     def _read(self, trainer: Trainer) -> None:

@@ -54,9 +54,12 @@ def scan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--data",
-        metavar="PATH",
+        metavar="[NAME=]PATH",
+        action="append",
         help="a text file or a folder of text files (default: the Python standard library's "
-        "own source, the demo's corpus)",
+        "own source, the demo's corpus). Repeat it (or write NAME=PATH) to scan several "
+        "sources: each gets --tokens rows, its own sigma_min profile (dd.NAME/...), and a "
+        "collapse is classified intrinsic or distribution-dependent",
     )
     p.add_argument(
         "--tokens",

@@ -180,6 +180,33 @@ def _scan_facts(result: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def source_lines(result: Mapping[str, Any]) -> list[str]:
+    """Per-source summary lines and the classification of each collapse (``sources``), or
+    nothing for a scan of one source."""
+    sources = result.get("sources") or {}
+    if not sources:
+        return []
+    lines = [""]
+    for name, s in sources.items():
+        lines.append(
+            f"source {name}: {s['n_rows']} rows, sigma_min_ratio_min "
+            f"{_f(s['sigma_min_ratio_min'], '.4g')} at {s['worst_point']}"
+            + (f" ({s['reason']})" if s["reason"] else "")
+        )
+    collapses = result.get("collapses") or []
+    for c in collapses:
+        below = ", ".join(c["below"]) or "none"
+        above = ", ".join(c["above"]) or "none"
+        undecided = f"; too few rows: {', '.join(c['undecided'])}" if c["undecided"] else ""
+        lines.append(
+            f"collapse at {c['point']} (depth {c['depth']}): {c['class']}; below in {below}; "
+            f"healthy in {above}{undecided}"
+        )
+    if not collapses:
+        lines.append("no collapse in any source")
+    return lines
+
+
 def scan_markdown(result: Mapping[str, Any], images: Mapping[str, str]) -> str:
     """``report.md``: facts, alerts, the two tables, then the plots (``file -> caption``)."""
     lines = [f"# normscope scan: {result['model']['class']}", ""]
@@ -193,6 +220,9 @@ def scan_markdown(result: Mapping[str, Any], images: Mapping[str, str]) -> str:
     if result["profile"]:
         lines += ["", "## sigma_min depth profile", ""]
         lines += md_table(*_profile_rows(result))
+    if result.get("sources"):
+        lines += ["", "## Per source", ""]
+        lines += [f"- {line}" for line in source_lines(result) if line]
     if result["notes"]:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]]
     lines += ["", "## Plots", ""]
@@ -222,6 +252,9 @@ def scan_html(result: Mapping[str, Any], images: Mapping[str, str | Path]) -> st
             "<h2>sigma_min depth profile</h2>",
             _html_table(*_profile_rows(result), left=(0, 1)),
         ]
+    if result.get("sources"):
+        items = "".join(f"<li>{html.escape(x)}</li>" for x in source_lines(result) if x)
+        sections.append(f"<h2>Per source</h2><ul>{items}</ul>")
     if result["notes"]:
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in result["notes"])
         sections.append(f"<h2>Notes</h2><ul class=note>{notes}</ul>")

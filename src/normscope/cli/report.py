@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from normscope.alerts import KernelLossRule, SigmaMinRatioRule
+from normscope.alerts import KernelLossRule, SigmaMinRatioRule, SourceCollapseRule
 from normscope.cli import render, run_plots
 from normscope.cli.errors import CLIError
 
@@ -34,13 +34,15 @@ _POINT_MARK = "/sigma_min_ratio"
 
 
 def merge_reads(history: Sequence[Mapping[str, float]]) -> dict[float, dict[str, float]]:
-    """The rows holding ``dd/`` keys, merged by step (a logger may split one read across rows:
-    W&B writes the monitor's scalars and its charts as two)."""
+    """The rows holding ``dd/`` keys (and the per-source ``dd.<source>/`` ones), merged by step
+    (a logger may split one read across rows: W&B writes the monitor's scalars and its charts
+    as two)."""
     reads: dict[float, dict[str, float]] = {}
+    ours = ("dd/", "dd.")
     for row in history:
-        if any(k.startswith("dd/") for k in row):
+        if any(k.startswith(ours) for k in row):
             step = float(row["step"])
-            reads.setdefault(step, {}).update({k: v for k, v in row.items() if k.startswith("dd/")})
+            reads.setdefault(step, {}).update({k: v for k, v in row.items() if k.startswith(ours)})
     return dict(sorted(reads.items()))
 
 
@@ -48,7 +50,7 @@ def _keyed(reads: Mapping[float, Mapping[str, float]], mark: str) -> list[str]:
     found: dict[str, None] = {}
     for values in reads.values():
         for key in values:
-            if key.endswith(mark) and key.count("/") >= 2:
+            if key.startswith("dd/") and key.endswith(mark) and key.count("/") >= 2:
                 found[key[len("dd/") : -len(mark)]] = None
     return list(found)
 
@@ -119,6 +121,8 @@ def reevaluate_alerts(
         sigma = SigmaMinRatioRule()
         sigma.sublayers = {p: None for p in points}  # depth order for the upstream rule
         rules.insert(0, sigma)
+        if log_sources(reads):
+            rules.insert(1, SourceCollapseRule(sigma))
     out = []
     for step, values in reads.items():
         for rule in rules:
@@ -128,13 +132,49 @@ def reevaluate_alerts(
                     {
                         "step": float(step),
                         "title": f"normscope: {a.rule}",
-                        "text": f"{a.rule} at {a.point} at step {int(step)}: {metric} "
+                        "text": a.message
+                        if a.rule == SourceCollapseRule.name
+                        else f"{a.rule} at {a.point} at step {int(step)}: {metric} "
                         f"{a.value:.3g} (threshold {a.threshold:.3g})",
                         "level": "WARN",
                         "origin": "re-evaluated",
                     }
                 )
     return out
+
+
+def log_sources(reads: Mapping[float, Mapping[str, float]]) -> list[str]:
+    """The sources of a log with per-source reads (``dd.<source>/sigma_min_ratio_min``)."""
+    found = {
+        k[len("dd.") : -len("/sigma_min_ratio_min")]
+        for values in reads.values()
+        for k in values
+        if k.startswith("dd.") and k.endswith("/sigma_min_ratio_min") and k.count("/") == 1
+    }
+    return sorted(found)
+
+
+def source_rows(
+    reads: Mapping[float, Mapping[str, float]], sources: Sequence[str]
+) -> tuple[list[str], list[list[str]]]:
+    """Per read: each source's ``sigma_min_ratio_min`` and rows, and the shallowest collapse's
+    class and point (classified from the logged keys, as the monitor does)."""
+    from normscope.monitors.sources import classify_collapses
+
+    head = ["step"] + [f"{s} ratio_min (rows)" for s in sources] + ["collapse", "at"]
+    rows = []
+    for step, v in reads.items():
+        cells = [f"{step:g}"]
+        for s in sources:
+            rows_s = v.get(f"dd.{s}/n_rows")
+            cells.append(
+                f"{_f(v.get(f'dd.{s}/sigma_min_ratio_min'), '.4g')} "
+                f"({_f(rows_s, '.0f') if rows_s is not None else '-'})"
+            )
+        collapses = classify_collapses(v)
+        cells += [collapses[0].kind, collapses[0].point] if collapses else ["none", "-"]
+        rows.append(cells)
+    return head, rows
 
 
 def _f(value: Any, spec: str) -> str:
@@ -248,6 +288,13 @@ def run(args: argparse.Namespace) -> int:
         "notes": notes,
         "files": [*images, "report.md", "report.html", "report.json"],
     }
+    sources = log_sources(reads)
+    tables = [("Reads", head, rows)]
+    if sources:
+        src_head, src_rows = source_rows(reads, sources)
+        tables.append(("Per source", src_head, src_rows))
+        result["sources"] = sources
+        result["source_reads"] = [dict(zip(src_head, r)) for r in src_rows]
     facts = [
         f"run: {log.source} log at {log.path}",
         f"{len(reads)} normscope reads, steps {min(reads):g} to {max(reads):g}; "
@@ -255,12 +302,15 @@ def run(args: argparse.Namespace) -> int:
         *notes,
     ]
     alert_lines = [f"ALERT at step {a['step']:g}: {a['text']}" for a in alerts]
-    _write(out, result, facts, alert_lines, images, head, rows)
+    _write(out, result, facts, alert_lines, images, tables)
     if args.json:
         print(render.to_json(result))
     else:
         print(f"normscope report: {log.source} run {log.path}")
         print("\n".join(render.text_table(head, rows, right=(0, 1, 2, 4))))
+        for heading, t_head, t_rows in tables[1:]:
+            print(f"{heading}:")
+            print("\n".join(render.text_table(t_head, t_rows, right=(0,))))
         print("\n".join(alert_lines) or "no alert")
         for note in notes:
             print(f"note: {note}")
@@ -302,16 +352,18 @@ def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str) -> d
     return captions
 
 
-def _write(out: Path, result, facts, alert_lines, images, head, rows) -> None:
+def _write(out: Path, result, facts, alert_lines, images, tables) -> None:
     md = [f"# normscope report: {result['run']['path']}", ""] + [f"- {f}" for f in facts] + [""]
     md += [f"**{a}**" for a in alert_lines] or ["No alert."]
-    md += ["", "## Reads", ""] + render.md_table(head, rows) + ["", "## Plots", ""]
+    for heading, head, rows in tables:
+        md += ["", f"## {heading}", ""] + render.md_table(head, rows)
+    md += ["", "## Plots", ""]
     for file, caption in images.items():
         md += [f"### {caption}", "", f"![{caption}]({file})", ""]
     (out / "report.md").write_text("\n".join(md), encoding="utf-8")
     page = render.run_html(
         f"normscope report: {Path(result['run']['path']).name}", facts, alert_lines,
-        {caption: out / file for file, caption in images.items()}, [("Reads", head, rows)],
+        {caption: out / file for file, caption in images.items()}, tables,
     )  # fmt: skip
     (out / "report.html").write_text(page, encoding="utf-8")
     (out / "report.json").write_text(render.to_json(result) + "\n", encoding="utf-8")

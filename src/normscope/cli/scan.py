@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 import normscope
-from normscope.alerts import Alert, KernelLossRule, SigmaMinRatioRule
+from normscope.alerts import Alert, KernelLossRule, SigmaMinRatioRule, SourceCollapseRule
 from normscope.cli import plots, render
-from normscope.cli.data import make_batches
+from normscope.cli.data import TokenData, make_batches
 from normscope.cli.errors import CLIError
 from normscope.cli.loading import LoadedModel, load_model
 from normscope.cli.options import DEFAULT_TOKENS
@@ -66,17 +66,23 @@ def run(args: argparse.Namespace) -> int:
     notes = list(loaded.notes) + [str(w.message) for w in caught]
     tokens = args.tokens or max(DEFAULT_TOKENS, 4 * width)
     seq_len = min(args.seq_len, loaded.max_positions or args.seq_len)
-    data = make_batches(
-        loaded.tokenizer,
-        args.data,
-        tokens=tokens,
-        seq_len=seq_len,
-        batch_size=args.batch_size,
-        as_dict=loaded.as_dict,
-        device=device,
-    )
-    if data.tokens < tokens:
-        notes.append(f"the text ran out at {data.tokens} tokens (asked for {tokens})")
+    specs = data_sources(args.data)
+    per_source: list[tuple[str, TokenData]] = []
+    for name, path in specs:
+        part = make_batches(
+            loaded.tokenizer,
+            path,
+            tokens=tokens,
+            seq_len=seq_len,
+            batch_size=args.batch_size,
+            as_dict=loaded.as_dict,
+            device=device,
+        )
+        if part.tokens < tokens:
+            what = f"source {name!r}: " if name is not None else ""
+            notes.append(f"{what}the text ran out at {part.tokens} tokens (asked for {tokens})")
+        per_source.append((name, part))
+    data, sources = _combine(per_source)
     if data.tokens < 2 * width:
         notes.append(
             f"{data.tokens} tokens < 2 d = {2 * width}: reads need at least 2 d rows and come "
@@ -88,9 +94,20 @@ def run(args: argparse.Namespace) -> int:
         twin_report = _scan(twin, data.batches, "random-init twin", notes, args.max_memory)
         del twin
     report = _scan(
-        loaded.model, data.batches, "checkpoint", notes, args.max_memory, baseline=twin_report
+        loaded.model,
+        data.batches,
+        "checkpoint",
+        notes,
+        args.max_memory,
+        baseline=twin_report,
+        sources=sources,
     )
     result = scan_result(loaded, report, twin_report, data, args, notes)
+    if sources is not None:
+        result["data"]["sources"] = [
+            {"name": n, "source": part.source, "tokens": part.tokens, "windows": part.windows}
+            for n, part in per_source
+        ]
     out = render.out_dir(args.out)
     gammas = _gammas(loaded.model, list(report.norms))
     write_scan_outputs(result, gammas, out)
@@ -102,6 +119,65 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {note}")
         print(f"wrote {', '.join(result['files'])} to {out}/")
     return 0
+
+
+# ------------------------------------------------------------------------------ the data
+def data_sources(data: Sequence[str] | str | None) -> list[tuple[str | None, str | None]]:
+    """``--data`` values as ``(source name, path)``: one plain path (or none) is one unnamed
+    source (the scan of old); several, or any ``NAME=PATH``, are named sources (a plain path
+    named by its file or folder name).
+
+    Example::
+
+        >>> data_sources(["code=src", "prose=docs/a.txt"])
+        [('code', 'src'), ('prose', 'docs/a.txt')]
+        >>> data_sources(None)
+        [(None, None)]
+    """
+    if data is None:
+        return [(None, None)]
+    items = [data] if isinstance(data, str) else list(data)
+    named = len(items) > 1 or any(_split_name(i)[0] is not None for i in items)
+    if not named:
+        return [(None, items[0])]
+    out: list[tuple[str | None, str | None]] = []
+    for item in items:
+        name, path = _split_name(item)
+        name = name if name is not None else (Path(path).name or path)
+        if "/" in name or not name:
+            raise CLIError(f"--data {item}: a source name may not hold '/' (write NAME=PATH)")
+        if any(name == n for n, _ in out):
+            raise CLIError(f"--data: source name {name!r} given twice (write NAME=PATH)")
+        out.append((name, path))
+    return out
+
+
+def _split_name(item: str) -> tuple[str | None, str]:
+    name, sep, path = item.partition("=")
+    if sep and name and not Path(item).exists() and "/" not in name:
+        return name, path
+    return None, item
+
+
+def _combine(parts: list[tuple[str | None, TokenData]]) -> tuple[TokenData, Any]:
+    """One :class:`TokenData` of every source's batches, and the ``sources=`` function that
+    names each batch's source (None for one unnamed source)."""
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1], None
+    names: dict[int, str] = {}
+    batches: list[Any] = []
+    for name, part in parts:
+        for batch in part.batches:
+            names[id(batch)] = str(name)
+            batches.append(batch)
+    data = TokenData(
+        batches,
+        sum(p.tokens for _, p in parts),
+        sum(p.windows for _, p in parts),
+        max(p.seq_len for _, p in parts),
+        "; ".join(f"{name}: {p.source}" for name, p in parts),
+    )
+    return data, lambda batch: names[id(batch)]
 
 
 # ------------------------------------------------------------------------------ the scans
@@ -127,6 +203,7 @@ def _scan(
     notes: list[str],
     max_memory: int | None = None,
     baseline: DeadDirectionReport | None = None,
+    sources: Any = None,
 ) -> DeadDirectionReport:
     try:
         with (
@@ -134,7 +211,9 @@ def _scan(
             _progress(model, len(batches) + 1, f"normscope: scanning the {what}"),
         ):
             warnings.simplefilter("always")
-            report = scan_model(model, batches, baseline=baseline, max_memory=max_memory)
+            report = scan_model(
+                model, batches, baseline=baseline, max_memory=max_memory, sources=sources
+            )
     except NormDiscoveryError as err:
         raise CLIError(f"nothing to scan in the {what}: {err}") from err
     except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as err:
@@ -173,6 +252,10 @@ def default_alerts(report: DeadDirectionReport) -> list[Alert]:
         sigma = SigmaMinRatioRule()
         sigma.sublayers = {p.name: p.sublayer for p in report.profile.points}
         rules.insert(0, sigma)
+        if report.sources:
+            by_source = SourceCollapseRule(sigma)
+            by_source.sublayers = sigma.sublayers
+            rules.insert(1, by_source)
     return [a for rule in rules for a in rule.evaluate(metrics, 0)]
 
 
@@ -289,11 +372,51 @@ def scan_result(
             "rows_rejected": report.rows_rejected,
         },
         "alerts": [a.as_dict() for a in default_alerts(report)],
+        "sources": _sources_result(report),
+        "collapses": [
+            {
+                "point": c.point,
+                "depth": c.depth,
+                "class": c.kind,
+                "below": list(c.below),
+                "above": list(c.above),
+                "undecided": list(c.undecided),
+                "pooled_below": c.pooled_below,
+                "values": {s: _num(v) for s, v in c.values.items()},
+            }
+            for c in report.collapses
+        ],
         "notes": notes + (list(layout.notes) if layout is not None else []),
         "failed_taps": dict(report.failed_taps),
         "metrics": {k: _num(v) for k, v in metrics.items()},
         "files": [],
     }
+
+
+def _sources_result(report: DeadDirectionReport) -> dict[str, Any]:
+    """Each source's profile, as the pooled ``profile`` entries (no baseline columns)."""
+    out: dict[str, Any] = {}
+    for name, profile in report.sources.items():
+        out[name] = {
+            "sigma_min_ratio_min": _num(profile.sigma_min_ratio_min),
+            "worst_point": profile.worst_point,
+            "n_rows": profile.points[0].n_rows if profile.points else 0,
+            "reason": profile.reason,
+            "profile": [
+                {
+                    "name": p.name,
+                    "depth": p.depth,
+                    "sublayer": p.sublayer,
+                    "sigma_min": _num(p.sigma_min),
+                    "sigma_min_ratio": _num(p.sigma_min_ratio),
+                    "sigma_min_step": _num(p.sigma_min_step),
+                    "n_rows": p.n_rows,
+                    "reason": p.reason,
+                }
+                for p in profile.points
+            ],
+        }
+    return out
 
 
 def write_scan_outputs(result: dict[str, Any], gammas: dict[str, Any], out: Path) -> None:
@@ -373,6 +496,7 @@ def format_scan_table(result: dict[str, Any]) -> str:
         f"sigma_min_step_min {_f(s['sigma_min_step_min'], '.4g')}; "
         f"gamma_alignment_min (LayerNorm) {_f(s['gamma_alignment_min'], '.6f')}",
     ]
+    lines += render.source_lines(result)
     if result["alerts"]:
         lines += [f"ALERT {a['rule']}: {a['message']}" for a in result["alerts"]]
     else:

@@ -71,7 +71,8 @@ def select_layers(metrics: Mapping[str, float], keep: LogPerLayer) -> dict[str, 
     kept: set[tuple[str, str]] = set()
     for family in {f for f, _ in by_layer}:
         layers = {name: m for (f, name), m in by_layer.items() if f == family}
-        for metric, larger_is_worse in RANKINGS.get(family, ()):
+        # a per-source family (dd.<source>) ranks as its own family (dd)
+        for metric, larger_is_worse in RANKINGS.get(family.split(".", 1)[0], ()):
             ranked = [
                 (v, name)
                 for name, m in layers.items()

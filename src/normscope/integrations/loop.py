@@ -304,7 +304,11 @@ def tracker_step(tracker: Any, monitor_cls: type, batch: Any, options: dict[str,
         log = opts.pop("log", None)
         opts.setdefault("verbose", False)
         opts.setdefault("alerts", ("log",))
+        if getattr(tracker, "sources", None) is not None:
+            opts.setdefault("sources", tracker.sources)  # the monitor's SourceCollapseRule
         monitor = adopt(monitor_cls(**opts), tracker)
+        if getattr(monitor, "source_rule", None) is not None:
+            tracker.source_rule = monitor.sigma_rule
         watch = Watch(monitor, tracker.model, log=log)
         watch._set_up = True  # the tracker is the monitor's: nothing more to build
         tracker._normscope_watch = watch

@@ -38,6 +38,7 @@ from normscope.functional.profile import SigmaMinProfile, sigma_min_profile
 from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import NormLayer, find_norm_layers
 from normscope.taps.residual import ResidualLayout, ResidualPoint, find_residual_points
+from normscope.taps.sources import SourceLabels, SourceSpec, SourceSplit, resolve_labels
 
 __all__ = ["DeadDirectionReport", "DeadDirectionTracker", "NormReport", "key_path"]
 
@@ -103,6 +104,10 @@ class DeadDirectionReport:
     layout: ResidualLayout | None
     rows_rejected: int
     failed_taps: dict[str, str] = field(default_factory=dict)
+    #: per-source depth profiles (``sources=``), by source name; empty without sources
+    sources: dict[str, SigmaMinProfile] = field(default_factory=dict)
+    #: the rule whose threshold classifies a collapse (``SigmaMinRatioRule()`` if None)
+    source_rule: Any = None
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -129,7 +134,22 @@ class DeadDirectionReport:
             aligned = [a for a in aligned if not math.isnan(a)]
             if aligned:
                 out[f"{FAMILY}/gamma_alignment_min"] = min(aligned)
+        if self.sources:
+            from normscope.monitors.sources import collapse_keys, source_reads
+
+            out.update(source_reads(self.sources, key_path))
+            out.update(collapse_keys(out, self.source_rule))
         return out
+
+    @property
+    def collapses(self) -> list:
+        """The classified collapses (:func:`normscope.monitors.sources.classify_collapses`);
+        empty without sources."""
+        if not self.sources:
+            return []
+        from normscope.monitors.sources import classify_collapses
+
+        return classify_collapses(self.as_dict(), self.source_rule)
 
     @property
     def sigma_min_ratio_min(self) -> float:
@@ -161,6 +181,16 @@ class DeadDirectionTracker:
             (:mod:`normscope.functional.cancellation`: one more ``8 d^2`` per point; under
             ``max_memory`` it is kept after the profile and before the norm layers, whole or
             not at all). The residual points always fold the same sampled rows.
+        sources: name each sampled row's source (:mod:`normscope.taps.sources`): ``fn(batch)
+            -> str`` (the whole batch), ``fn(batch) -> labels`` (a sequence or tensor, one per
+            sample) or a batch field name. Each source gets its own float64 accumulator per
+            residual point (the pooled read is unchanged) and its own profile
+            (``dd.<source>/<point>/<metric>``), and collapses are classified intrinsic /
+            distribution-dependent (:mod:`normscope.monitors.sources`). Label a batch with
+            :meth:`label` (the monitors and :func:`normscope.scan_model` do).
+        max_sources: sources tracked (the first seen; ``max_memory`` plans for this many:
+            ``8 d^2`` per source and point, after the margin, before the norm layers, whole or
+            not at all). Rows of later sources stay in the pooled read only (a warning).
 
     Example::
 
@@ -184,7 +214,22 @@ class DeadDirectionTracker:
         seed: int = 0,
         max_memory: int | None = None,
         margin: bool = True,
+        sources: SourceSpec | None = None,
+        max_sources: int = 8,
     ) -> None:
+        if sources is not None and not (isinstance(sources, str) or callable(sources)):
+            raise TypeError(
+                "DeadDirectionTracker: sources must be fn(batch) -> str | labels, or a batch "
+                f"field name, got {type(sources).__name__}"
+            )
+        if not isinstance(max_sources, int) or max_sources < 1:
+            raise ValueError(f"DeadDirectionTracker: max_sources must be >= 1, got {max_sources}")
+        self.sources = sources
+        self.max_sources = max_sources
+        self.split: SourceSplit | None = None
+        self.source_rule: Any = None  # the SigmaMinRatioRule that classifies; None: default
+        self._sources_failed: str | None = None
+        self._sources_warned: set[str] = set()
         self.model = model
         self.margin = margin
         self.layers = layers
@@ -246,8 +291,52 @@ class DeadDirectionTracker:
             ]
             if len({t.key for t in self._point_taps}) == len(self._point_taps):
                 cross = self.margin and len(self._point_taps) > 1
-                self.taps.chain_points(self._point_taps, cross=cross)
+                chain = self.taps.chain_points(self._point_taps, cross=cross)
+                if self.sources is not None:
+                    self.split = SourceSplit(
+                        [t.dim for t in self._point_taps],
+                        [t.accumulator.device for t in self._point_taps],
+                        self.max_sources,
+                    )
+                    chain.split = self.split
+        if self.sources is not None and self.split is None:
+            self._sources_off("the residual profile is not read (no residual points)")
         self.attached = True
+
+    # --------------------------------------------------------------- sources
+    def label(self, batch: Any) -> SourceLabels | None:
+        """The sources of ``batch`` (``sources=``), ready for ``gate.sampling(sources=...)`` or
+        ``gate.sources``; their accumulators are created here, outside the forward. None
+        without ``sources=`` or once the per-source reads are off. Never raises: a labelling
+        failure warns once and turns the per-source reads off (the pooled reads go on)."""
+        if self.sources is None or self._sources_failed is not None:
+            return None
+        try:
+            labels = resolve_labels(self.sources, batch)
+        except Exception as err:  # noqa: BLE001 - the per-source reads only
+            self._sources_off(f"labelling a batch failed ({type(err).__name__}: {err})")
+            return None
+        if self.split is not None:
+            self.split.ensure(labels.names)
+            new = sorted(self.split.dropped - self._sources_warned)
+            if new:
+                self._sources_warned.update(new)
+                warnings.warn(
+                    f"normscope: max_sources={self.max_sources} sources are tracked; rows of "
+                    f"{', '.join(new)} stay in the pooled read only",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return labels
+
+    def _sources_off(self, why: str) -> None:
+        if self._sources_failed is None:
+            self._sources_failed = why
+            warnings.warn(
+                f"normscope: the per-source reads are off; the pooled reads go on ({why})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _apply_budget(self, budget: int) -> None:
         """Fit the taps in ``budget`` bytes (:func:`_plan_budget`); warn naming what is left
@@ -256,11 +345,22 @@ class DeadDirectionTracker:
         width = _stream_width(self.norms, self.layout) if points else 0
         self._width = width or None
         links = self.margin and len(points) > 1
-        full = _tap_cost(self.norms, points, width, links)
+        n_src = self.max_sources if self.sources is not None and points else 0
+        full = _tap_cost(self.norms, points, width, links, n_src)
         total_norms = len(self.norms)
-        norms, kept, links_kept = _plan_budget(self.norms, points, width, budget, links)
+        norms, kept, links_kept, src_kept = _plan_budget(
+            self.norms, points, width, budget, links, n_src
+        )
         self.margin = links_kept
-        if len(norms) == len(self.norms) and len(kept) == len(points) and links_kept == links:
+        if n_src and not src_kept:
+            self.sources = None
+            self._sources_failed = "max_memory"
+        if (
+            len(norms) == len(self.norms)
+            and len(kept) == len(points)
+            and links_kept == links
+            and src_kept == n_src
+        ):
             return
         self.skipped_norms = [n.name for n in self.norms if n not in norms]
         kept_names = {p.name for p in kept}
@@ -283,9 +383,15 @@ class DeadDirectionTracker:
             f"layers and {len(points)} residual points need {_fmt_bytes(full)}, over "
             f"max_memory={_fmt_bytes(budget)}; reading {len(norms)} of {total_norms} norm layers "
             f"and {len(kept)} of {len(points)} residual points, at a stride over depth "
-            f"({_fmt_bytes(_tap_cost(norms, kept, width, links_kept))}); left out: norm layers "
-            f"{names(self.skipped_norms)}; residual points {names(self.skipped_points)}"
-            + ("; the no-cancellation margin (not read)" if links and not links_kept else ""),
+            f"({_fmt_bytes(_tap_cost(norms, kept, width, links_kept, src_kept))}); left out: "
+            f"norm layers {names(self.skipped_norms)}; residual points "
+            f"{names(self.skipped_points)}"
+            + ("; the no-cancellation margin (not read)" if links and not links_kept else "")
+            + (
+                f"; the per-source reads (max_sources={n_src}: not read)"
+                if n_src and not src_kept
+                else ""
+            ),
             RuntimeWarning,
             stacklevel=3,
         )
@@ -327,6 +433,8 @@ class DeadDirectionTracker:
             # every rank holds the same cross-moments (a local failure only stops reading them)
             for acc in self.taps.chain.cross if self.taps.chain is not None else ():
                 acc.reduce_()
+            if self.split is not None:
+                self.split.reduce_()  # source names agreed across ranks first
         norms: dict[str, NormReport] = {}
         for norm in self.norms:
             tap_in, tap_out = self._norm_taps[norm.name]
@@ -354,6 +462,14 @@ class DeadDirectionTracker:
         if self._profile_failed is not None:
             failed["profile:read"] = self._profile_failed
         report = DeadDirectionReport(step, norms, profile, self.layout, rejected, failed)
+        if self.split is not None and self.split.failed is None and profile is not None:
+            try:
+                report = dataclasses.replace(
+                    report, sources=self._read_sources(), source_rule=self.source_rule
+                )
+            except Exception as err:  # noqa: BLE001 - the per-source reads only
+                self.split.failed = f"{type(err).__name__}: {err}"
+                _warn_disabled("the per-source reads", self.split.failed)
         if reset:
             self.reset()
         return report
@@ -402,6 +518,22 @@ class DeadDirectionTracker:
             margins.append(no_cancellation_margin(acc.moment(), moments[k - 1], acc.count)[0])
         return dataclasses.replace(profile, no_cancellation_margin=tuple(margins))
 
+    def _read_sources(self) -> dict[str, SigmaMinProfile]:
+        """One profile per source, on its own rows (NaN with ``insufficient_rows`` below
+        ``2 d`` rows at a point)."""
+        assert self.split is not None and self.layout is not None
+        points = self.layout.points
+        out: dict[str, SigmaMinProfile] = {}
+        for name in sorted(self.split.accs):
+            accs = self.split.accs[name]
+            out[name] = sigma_min_profile(
+                [p.name for p in points],
+                [a.second_moment() for a in accs],
+                [a.count for a in accs],
+                [p.sublayer for p in points],
+            )
+        return out
+
     def _cross(self) -> list:
         chain = self.taps.chain
         if chain is None or chain.cross_failed is not None:
@@ -418,6 +550,7 @@ class DeadDirectionTracker:
                 f"{k[0]}|{k[1]}": t.accumulator.state_dict() for k, t in self.taps.taps.items()
             },
             "cross": [acc.state_dict() for acc in self._cross()],
+            **({"sources": self.split.state_dict()} if self.split is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -435,9 +568,12 @@ class DeadDirectionTracker:
             for acc, acc_state in zip(cross, saved):
                 if int(acc_state["dim"]) == acc.dim:
                     acc.load_state_dict(acc_state)
+        if self.split is not None and "sources" in state:
+            self.split.load_state_dict(state["sources"])
 
     def memory_bytes(self) -> int:
-        return self.taps.memory_bytes()
+        split = self.split.memory_bytes() if self.split is not None else 0
+        return self.taps.memory_bytes() + split
 
     # -------------------------------------------------------------- plain loops
     def step(self, batch: Any = None, **options: Any) -> Any:
@@ -495,17 +631,19 @@ def _tap_cost(
     points: Sequence[ResidualPoint],
     width: int,
     links: bool = False,
+    sources: int = 0,
 ) -> int:
     """Bytes of the co-moments of every distinct tap (``8 d^2`` each; a point that is a norm's
-    input shares that norm's input tap), and with ``links`` the cross-moments between
-    consecutive points (``8 d^2`` each)."""
+    input shares that norm's input tap), with ``links`` the cross-moments between
+    consecutive points (``8 d^2`` each), and ``sources`` accumulators per point."""
     keys: dict[tuple[str, str], int] = {}
     for n in norms:
         keys[(n.name, "input")] = keys[(n.name, "output")] = n.dim
     for p in points:
         keys.setdefault((p.module_name, p.where), width)
     cross = 8 * width * width * (len(points) - 1) if links and len(points) > 1 else 0
-    return sum(8 * d * d for d in keys.values()) + cross
+    per_source = 8 * width * width * len(points) * sources
+    return sum(8 * d * d for d in keys.values()) + cross + per_source
 
 
 def _thin_points(points: Sequence[ResidualPoint], kept: Sequence[int]) -> list[ResidualPoint]:
@@ -529,15 +667,18 @@ def _plan_budget(
     width: int,
     budget: int,
     links: bool = False,
-) -> tuple[list[NormLayer], list[ResidualPoint], bool]:
+    sources: int = 0,
+) -> tuple[list[NormLayer], list[ResidualPoint], bool, int]:
     """What fits in ``budget`` bytes: the residual profile first (the collapse alarm; at a
     stride over depth, first and last point kept, when it alone is over), then (``links``) the
     cross-moments between its kept points if they all fit, then norm layers at the smallest
     stride over depth that fits in what is left (the final norm kept when it fits). Returns the
-    norms, the points and whether the cross-moments are kept.
+    norms, the points, whether the cross-moments are kept and the sources planned for (the
+    ``sources`` per-source accumulators at every kept point come after the cross-moments and
+    before the norm layers, all or none).
     """
-    if _tap_cost(norms, points, width, links) <= budget:
-        return norms, list(points), links
+    if _tap_cost(norms, points, width, links, sources) <= budget:
+        return norms, list(points), links, sources
     kept_points: list[ResidualPoint] = list(points)
     if _tap_cost([], points, width) > budget:
         kept_points = []
@@ -552,12 +693,14 @@ def _plan_budget(
             ends = _thin_points(points, [0, len(points) - 1])
             kept_points = ends if _tap_cost([], ends, width) <= budget else []
     links = links and len(kept_points) > 1 and _tap_cost([], kept_points, width, True) <= budget
+    if sources and _tap_cost([], kept_points, width, links, sources) > budget:
+        sources = 0
     chosen: list[NormLayer] = []
     for stride in range(1, len(norms) + 1):
         candidate = norms[::stride]
         if norms[-1] not in candidate:
             candidate = [*candidate[:-1], norms[-1]] if len(candidate) > 1 else [norms[-1]]
-        if _tap_cost(candidate, kept_points, width, links) <= budget:
+        if _tap_cost(candidate, kept_points, width, links, sources) <= budget:
             chosen = candidate
             break
-    return chosen, kept_points, links
+    return chosen, kept_points, links, sources

@@ -32,6 +32,13 @@ def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -
     ]
     if deltas:
         parts.append(f"Delta_gamma max {_f(max(deltas))}")
+    if report.sources:
+        per = ", ".join(f"{name} {_f(p.sigma_min_ratio_min)}" for name, p in report.sources.items())
+        collapses = report.collapses
+        verdict = (
+            f"; {collapses[0].kind} collapse at {key_path(collapses[0].point)}" if collapses else ""
+        )
+        parts.append(f"by source: {per}{verdict}")
     if report.rows_rejected:
         parts.append(f"rows_rejected {report.rows_rejected}")
     if report.failed_taps:

@@ -15,11 +15,13 @@ __all__ = ["call_model", "batch_mask", "scan_model"]
 _NOT_INPUTS = ("labels", "label", "targets")
 
 
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """Run ``model`` on a batch the way a user would: a dict as keyword arguments (labels
-    dropped), a tuple/list by its first element (``(inputs, targets)``), a tensor as is."""
+def call_model(model: nn.Module, batch: Any, drop: tuple[str, ...] = ()) -> Any:
+    """Run ``model`` on a batch the way a user would: a dict as keyword arguments (labels and
+    the ``drop`` fields left out: a ``sources=`` field name), a tuple/list by its first element
+    (``(inputs, targets)``), a tensor as is."""
     if isinstance(batch, dict):
-        return model(**{k: v for k, v in batch.items() if k not in _NOT_INPUTS})
+        skip = (*_NOT_INPUTS, *drop)
+        return model(**{k: v for k, v in batch.items() if k not in skip})
     if isinstance(batch, (tuple, list)):
         return model(batch[0])
     return model(batch)
@@ -45,6 +47,7 @@ def scan_model(
     null_tol: float = 1e-10,
     baseline: DeadDirectionReport | None = None,
     max_memory: int | None = None,
+    sources: Any = None,
 ) -> DeadDirectionReport:
     """Every dead-direction read of ``model`` on ``batches`` (forward passes only, no grad).
 
@@ -63,6 +66,11 @@ def scan_model(
         max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor), as the
             monitor's: over it, points and layers are read at a stride over depth and a warning
             names what was left out (those are missing from the report).
+        sources: name each batch's (or each sample's) source, as the tracker's ``sources=``:
+            ``fn(batch) -> str``, ``fn(batch) -> labels per sample``, or a batch field name.
+            The report then holds a profile per source (``report.sources``,
+            ``dd.<source>/<point>/<metric>``) and the classification of every collapse
+            (``report.collapses``, ``dd/collapse_class``); the pooled keys are unchanged.
 
     Returns:
         a :class:`DeadDirectionReport`; ``report.as_dict()`` is keyed exactly like the monitor's
@@ -80,6 +88,12 @@ def scan_model(
         raise ValueError("scan_model: no batches given (pass at least one batch of inputs)")
     was_training = model.training
     model.eval()
+    labels: list[Any] = [None] * len(batches)
+    if sources is not None:
+        from normscope.taps.sources import resolve_labels
+
+        labels = [resolve_labels(sources, b) for b in batches]  # a bad spec raises here
+    names = {n for lab in labels if lab is not None for n in lab.names}
     tracker = DeadDirectionTracker(
         model,
         layers=layers,
@@ -87,9 +101,12 @@ def scan_model(
         max_rows_per_step=max_rows_per_batch,
         null_tol=null_tol,
         max_memory=max_memory,
+        sources=sources,
+        max_sources=max(len(names), 1),
     )
+    drop = (sources,) if isinstance(sources, str) else ()  # a label field is no model input
     try:
-        tracker.attach(forward=lambda: call_model(model, batches[0]))
+        tracker.attach(forward=lambda: call_model(model, batches[0], drop))
         if baseline is not None:
             # Delta_gamma against the baseline's Schur complements, on its row counts
             tracker.baselines = {
@@ -98,9 +115,13 @@ def scan_model(
             tracker.baseline_rows = {
                 name: norm.schur.n_rows for name, norm in baseline.norms.items()
             }
-        for batch in batches:
-            with tracker.gate.sampling(mask=batch_mask(batch)):
-                call_model(model, batch)
+        for batch, label in zip(batches, labels):
+            if label is not None and tracker.split is not None:
+                tracker.split.ensure(label.names)
+            else:
+                label = None
+            with tracker.gate.sampling(mask=batch_mask(batch), sources=label):
+                call_model(model, batch, drop)
         return tracker.read(step=0, reduce=False)
     finally:
         tracker.detach()

@@ -69,6 +69,7 @@ class PointChain:
             else []
         )
         self.cross_failed: str | None = None
+        self.split = None  # normscope.taps.sources.SourceSplit: per-source accumulators
         self._generator: torch.Generator | None = None
         self._forward = 0
         self._pick: torch.Tensor | None = None
@@ -79,7 +80,7 @@ class PointChain:
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self.index
 
-    def fold(self, tap, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+    def fold(self, tap, x: torch.Tensor, mask: torch.Tensor | None, sources=None) -> None:
         """Fold ``x`` (``(..., d)``) into ``tap``'s accumulator on this forward's row subset,
         and the pair ``(p_{k-1}, p_k)`` into ``M_k``. Raises on a bad tensor (the caller
         disables the tap); a failure of the cross-moment alone disables the margins only."""
@@ -91,6 +92,13 @@ class PointChain:
             else None
         )
         n = rows.shape[0]
+        split = self.split if sources is not None else None
+        split = split if split is not None and split.failed is None else None
+        codes = (
+            sources.row_codes(tuple(x.shape[:-1]), rows.device)
+            if split is not None and sources.codes is not None
+            else None
+        )
         if k == 0:
             self._forward += 1
             self._broken = False
@@ -101,9 +109,21 @@ class PointChain:
         if self._pick is not None:
             rows = rows[self._pick]
             keep = keep[self._pick] if keep is not None else None
+            codes = codes[self._pick] if codes is not None else None
         if rows.device != tap.accumulator.device:
             tap.accumulator.to(rows.device)
         tap.accumulator.update(rows, mask=keep)
+        if split is not None:
+            try:
+                split.fold(k, rows, keep, codes, sources)
+            except Exception as err:  # noqa: BLE001 - the per-source reads only
+                split.failed = f"{type(err).__name__}: {err}"
+                warnings.warn(
+                    f"normscope: the per-source accumulators failed and are disabled for the "
+                    f"rest of the run; the pooled reads go on ({type(err).__name__}: {err})",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
         if self.cross and self.cross_failed is None:
             try:
                 self._fold_cross(k, rows, keep)
@@ -149,6 +169,8 @@ class PointChain:
         """Start a new window (the subset generator keeps its position)."""
         for acc in self.cross:
             acc.reset()
+        if self.split is not None:
+            self.split.reset()
         self._stash = None
 
     def memory_bytes(self) -> int:

@@ -49,17 +49,20 @@ class Gate:
     def __init__(self) -> None:
         self.open = False
         self.mask: torch.Tensor | None = None
+        # the batch's sources (normscope.taps.sources.SourceLabels), for the per-source reads
+        self.sources: Any = None
 
     @contextlib.contextmanager
-    def sampling(self, mask: torch.Tensor | None = None) -> Iterator[None]:
+    def sampling(self, mask: torch.Tensor | None = None, sources: Any = None) -> Iterator[None]:
         """Open the gate for the forwards run inside the block, with an optional padding mask of
-        shape ``(batch, tokens)`` (non-zero keeps a row)."""
-        previous = (self.open, self.mask)
-        self.open, self.mask = True, mask
+        shape ``(batch, tokens)`` (non-zero keeps a row) and the batch's
+        :class:`~normscope.taps.sources.SourceLabels`."""
+        previous = (self.open, self.mask, self.sources)
+        self.open, self.mask, self.sources = True, mask, sources
         try:
             yield
         finally:
-            self.open, self.mask = previous
+            self.open, self.mask, self.sources = previous
 
 
 @dataclass
@@ -197,7 +200,8 @@ class TapSet:
             if mask is not None and tuple(mask.shape) != tuple(x.shape[:-1]):
                 mask = None  # a tensor not laid out (batch, tokens, d): no padding to skip
             if self.chain is not None and tap.key in self.chain:
-                self.chain.fold(tap, x, mask)  # one row subset for every residual point
+                # one row subset for every residual point (and its sources' accumulators)
+                self.chain.fold(tap, x, mask, self.gate.sources)
                 return
             if x.device != tap.accumulator.device:
                 tap.accumulator.to(x.device)
