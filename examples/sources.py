@@ -16,8 +16,8 @@ sample), keeps a float64 accumulator per source and residual point, logs
 collapse (``dd/collapse_class``: 1 intrinsic, 2 distribution-dependent) and alerts with the
 source named.
 
-    python examples/sources.py                    # distribution-dependent collapse
-    python examples/sources.py --mode intrinsic   # intrinsic collapse
+    python -m examples.sources                    # distribution-dependent collapse
+    python -m examples.sources --mode intrinsic   # intrinsic collapse
 """
 
 from __future__ import annotations

@@ -3,20 +3,14 @@ source (distribution-dependent) against one in every source (intrinsic)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from examples import sources
 from normscope import DeadDirectionMonitor
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-import sources  # noqa: E402
 
 torch.set_num_threads(1)
 
