@@ -82,19 +82,28 @@ class AlertRule(Protocol):
 
 
 class SigmaMinRatioRule:
-    """Residual collapse: a ``sigma_min`` ratio below ``alert_below - tolerance``.
+    """Residual collapse: a ``sigma_min`` ratio below ``alert_below - tolerance``, with
+    confidence from the rows behind it.
 
-    METRICS §1.4: with identity skips and no cancellation ``sigma_min`` cannot fall with depth,
-    so both the cumulative ratio ``sigma_min(p_k) / sigma_min(p_0)`` and the step ratio
+    docs/metrics.md §1.4: with identity skips and no cancellation ``sigma_min`` cannot fall with
+    depth, so both the cumulative ratio ``sigma_min(p_k) / sigma_min(p_0)`` and the step ratio
     ``sigma_min(p_k) / sigma_min(p_{k-1})`` stay >= 1. The rule watches both (``watch``): the
     step ratio localises a collapse even where ``p_0`` (an embedding) is so narrow that the
     cumulative ratio stays far above 1 -- in the demo a cancelling MLP branch takes the step at
     its sublayer to 0.39 while every cumulative ratio stays above 3.
 
+    **Rows.** A ratio read from ``N`` rows in ``d`` dimensions is biased low and noisy when
+    ``N / d`` is small (Marchenko–Pastur), so a point counts as *below* only when the upper end
+    of its interval (``<ratio>_hi``, :func:`normscope.functional.profile.ratio_bounds`) is under
+    the threshold. A point under the threshold whose interval reaches above it is *undecided*
+    (``undecided[point]``: ``"not_confident"``, or ``"too_few_rows_for_bounds"`` below
+    ``N / d = min_rows_per_dim``) and never alerts. Logs without the interval keys (written by
+    normscope before 0.3) are judged on the ratio itself.
+
     Random-init and early-training models need not satisfy no-cancellation and dip a little
-    below 1 with nothing wrong, so the rule has a tolerance, a patience (consecutive reads
-    below) and warm-up reads that never alert. The defaults come from measurements on the demo
-    and the test models (README, "Alerts").
+    below 1 with nothing wrong, hence the tolerance. The operating point (0 false alarms in the
+    healthy sweep of ``benchmarks/alert_roc.py``; detection figures there) is in
+    docs/alerts.md.
 
     Args:
         alert_below: the theoretical floor (1.0).
@@ -102,6 +111,20 @@ class SigmaMinRatioRule:
         patience: consecutive reads below the threshold before the alert fires.
         warmup_reads: the first reads of a run, which never alert.
         watch: which ratios to check: ``("ratio", "step")`` (default), or one of them.
+        min_rows_per_dim: the least ``N / d`` a read needs to decide (the monitor keeps a
+            window open until it has that many rows, at most ``every_n_steps`` steps more).
+
+    Example::
+
+        >>> rule = SigmaMinRatioRule()
+        >>> low = {"dd/h.1/sigma_min_step": 0.7, "dd/h.1/sigma_min_step_hi": 0.78,
+        ...        "dd/rows_per_dim": 50.0}
+        >>> [a.point for a in rule.evaluate(low, step=10)]
+        ['h.1']
+        >>> few = {"dd/h.1/sigma_min_step": 0.7, "dd/h.1/sigma_min_step_hi": float("nan"),
+        ...        "dd/rows_per_dim": 2.0}
+        >>> rule.evaluate(few, step=20), rule.undecided
+        ([], {'h.1': 'too_few_rows_for_bounds'})
     """
 
     name = "sigma_min_collapse"
@@ -113,6 +136,7 @@ class SigmaMinRatioRule:
         patience: int = 1,
         warmup_reads: int = 0,
         watch: Sequence[str] = ("ratio", "step"),
+        min_rows_per_dim: float = 4.0,
     ) -> None:
         if patience < 1:
             raise ValueError(f"SigmaMinRatioRule: patience must be >= 1, got {patience}")
@@ -122,59 +146,140 @@ class SigmaMinRatioRule:
             raise ValueError(
                 f"SigmaMinRatioRule: watch must name 'ratio' and/or 'step', got {watch!r}"
             )
+        if not min_rows_per_dim >= 2:
+            raise ValueError(
+                f"SigmaMinRatioRule: min_rows_per_dim must be >= 2 (the profile reads NaN "
+                f"below 2 d rows), got {min_rows_per_dim}"
+            )
         self.alert_below = alert_below
         self.tolerance = tolerance
         self.patience = patience
         self.warmup_reads = warmup_reads
+        self.min_rows_per_dim = float(min_rows_per_dim)
         self.suffixes = tuple(f"/sigma_min_{w}" for w in watch)
         self.sublayers: dict[str, str | None] = {}  # by point; the monitor fills it
         self.reads = 0
         self.below: dict[str, int] = {}
+        self.undecided: dict[str, str] = {}  # the last read's points under the line, undecided
 
     @property
     def threshold(self) -> float:
         return self.alert_below - self.tolerance
 
+    def decide(self, values: Mapping[str, float]) -> tuple[bool | None, str | None, float]:
+        """One point's read: ``(below, metric, value)``.
+
+        ``values`` holds the point's metrics by name (``sigma_min_ratio``, ``sigma_min_step``,
+        their ``_lo``/``_hi`` and ``rows_per_dim``, when logged; a per-source read gives
+        ``n_rows`` and ``rows_per_dim`` and the interval is computed here). ``below`` is True
+        when a watched ratio's interval lies under the threshold, False when every finite
+        watched ratio is at or above it (``sigma_min`` is read low, not high) with rows enough
+        for an interval, None when the rows cannot decide (then
+        ``metric`` is the reason: ``"too_few_rows_for_bounds"``, ``"not_confident"``, or
+        ``"no_finite_ratio"``). Otherwise ``metric`` names the smallest watched ratio below
+        (or the smallest one), ``value`` its value.
+        """
+        from normscope.functional.profile import ratio_bounds
+
+        per_dim = values.get("rows_per_dim", math.nan)
+        rows = values.get("n_rows", math.nan)
+        thr = self.threshold
+        reads: list[tuple[float, str, float, float]] = []  # value, metric, lo, hi
+        for suffix in self.suffixes:
+            metric = suffix[1:]
+            value = values.get(metric, math.nan)
+            if not math.isfinite(value):
+                continue
+            if f"{metric}_hi" in values:
+                lo, hi = values.get(f"{metric}_lo", math.nan), values[f"{metric}_hi"]
+            elif "rows_per_dim" in values and "n_rows" in values:
+                lo, hi = ratio_bounds(value, rows, per_dim)
+            else:  # a log without intervals: the ratio itself decides
+                lo = hi = value
+            if math.isfinite(per_dim) and per_dim < self.min_rows_per_dim:
+                lo = hi = math.nan
+            reads.append((float(value), metric, lo, hi))
+        if not reads:
+            return None, "no_finite_ratio", math.nan
+        below = [r for r in reads if r[3] < thr]
+        if below:
+            value, metric, _, _ = min(below)
+            return True, metric, value
+        if any(math.isnan(r[3]) for r in reads):
+            return None, "too_few_rows_for_bounds", min(reads)[0]
+        if all(r[0] >= thr for r in reads):
+            # sigma_min is read low, not high: a ratio at or above the line is no collapse
+            value, metric, _, _ = min(reads)
+            return False, metric, value
+        return None, "not_confident", min(reads)[0]
+
+    def step_below(self, values: Mapping[str, float]) -> bool:
+        """Is the point's own step ratio below the threshold, with confidence? A point below
+        on its cumulative ratio alone, downstream of a collapse, is that collapse's echo."""
+        step_only = {k: v for k, v in values.items() if not k.startswith("sigma_min_ratio")}
+        return bool(self.decide(step_only)[0])
+
+    def _points(self, metrics: Mapping[str, float]) -> dict[str, dict[str, float]]:
+        """The pooled ``dd/<point>/<metric>`` keys by point (profile points only)."""
+        names = {s[1:] for s in self.suffixes}
+        wanted = {"sigma_min_ratio", "sigma_min_step", "rows_per_dim", "n_rows"}
+        wanted |= {f"{n}_{e}" for n in ("sigma_min_ratio", "sigma_min_step") for e in ("lo", "hi")}
+        points: dict[str, dict[str, float]] = {}
+        for key, value in metrics.items():
+            if not key.startswith("dd/"):
+                continue
+            point, _, metric = key[len("dd/") :].rpartition("/")
+            if point and metric in wanted:
+                points.setdefault(point, {})[metric] = float(value)
+        per_dim = metrics.get("dd/rows_per_dim")
+        if per_dim is not None:  # one N/d per read: the points fold the same rows
+            for values in points.values():
+                values.setdefault("rows_per_dim", float(per_dim))
+        return {p: v for p, v in points.items() if names & v.keys()}
+
     def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
         self.reads += 1
-        worst: dict[str, tuple[float, str]] = {}  # point -> (smallest watched value, its key)
-        for key, value in metrics.items():
-            suffix = next((s for s in self.suffixes if key.endswith(s)), None)
-            if suffix is None or not key.startswith("dd/") or not math.isfinite(value):
-                continue  # NaN (too few rows) never alerts
-            point = key[len("dd/") : -len(suffix)]
-            if point not in worst or value < worst[point][0]:
-                worst[point] = (float(value), key)
+        points = self._points(metrics)
         # In depth order, a point below only on the cumulative ratio whose own step is fine is a
         # consequence of a collapse upstream, already reported there: count it once.
-        order = [p for p in self.sublayers if p in worst] + [
-            p for p in worst if p not in self.sublayers
+        order = [p for p in self.sublayers if p in points] + [
+            p for p in points if p not in self.sublayers
         ]
         upstream_collapse = False
         alerts: list[Alert] = []
+        self.undecided = {}
         for point in order:
-            value, key = worst[point]
-            step_ok = metrics.get(f"dd/{point}/sigma_min_step", math.inf) >= self.threshold
-            below = value < self.threshold
-            if below and step_ok and upstream_collapse and key.endswith("/sigma_min_ratio"):
-                below = False
-            upstream_collapse = upstream_collapse or value < self.threshold
+            values = points[point]
+            below, metric, value = self.decide(values)
+            if below is None and value < self.threshold:
+                self.undecided[point] = str(metric)
+            if below and metric == "sigma_min_ratio" and upstream_collapse:
+                if not self.step_below(values):
+                    below = False  # only downstream of a collapse already counted
+            upstream_collapse = upstream_collapse or bool(below)
             self.below[point] = self.below.get(point, 0) + 1 if below else 0
             if self.reads <= self.warmup_reads or self.below[point] != self.patience:
                 continue  # fire once when patience is reached, not on every read after
             sub = self.sublayers.get(point)
-            ratio = metrics.get(f"dd/{point}/sigma_min_ratio", math.nan)
-            step_ratio = metrics.get(f"dd/{point}/sigma_min_step", math.nan)
+            ratio = values.get("sigma_min_ratio", math.nan)
+            step_ratio = values.get("sigma_min_step", math.nan)
+            hi = values.get(f"{metric}_hi", math.nan)
+            per_dim = values.get("rows_per_dim", math.nan)
+            rows = (
+                f", at most {hi:.3g} from {per_dim:.3g} rows per dimension"
+                if math.isfinite(hi) and math.isfinite(per_dim)
+                else ""
+            )
             alerts.append(
                 Alert(
                     self.name,
-                    key,
+                    f"dd/{point}/{metric}",
                     step,
                     value,
                     self.threshold,
                     f"residual stream sigma_min collapsed at {point}, after the "
                     f"{sub or 'block'} sublayer, at step {step}: step ratio {step_ratio:.3g}, "
-                    f"cumulative ratio {ratio:.3g} (threshold {self.threshold:.3g}, "
+                    f"cumulative ratio {ratio:.3g}{rows} (threshold {self.threshold:.3g}, "
                     f"{self.patience} read(s))",
                     point=point,
                     sublayer=sub,

@@ -11,7 +11,6 @@ from torch.utils.data import DataLoader
 from examples import sources
 from normscope import DeadDirectionMonitor
 
-
 torch.set_num_threads(1)
 
 

@@ -120,13 +120,18 @@ def test_a_cancelling_branch_is_found_where_it_is():
     flat = prof.as_dict()
     assert flat["sigma_min_ratio_min"] == prof.sigma_min_ratio_min
     assert flat[f"{names[cancel]}/sigma_min_step"] == steps[cancel]
-    assert len(flat) == 4 * len(names) + 1
+    assert len(flat) == 8 * len(names) + 2  # 4 reads + 4 interval ends; 2 run-level keys
     assert [flat[f"{n}/depth"] for n in names] == list(range(len(names)))  # forward order
     assert {k.rsplit("/", 1)[-1] for k in flat} == {
         "sigma_min",
         "depth",
         "sigma_min_ratio",
         "sigma_min_step",
+        "rows_per_dim",
+        "sigma_min_ratio_lo",
+        "sigma_min_ratio_hi",
+        "sigma_min_step_lo",
+        "sigma_min_step_hi",
         "sigma_min_ratio_min",
     }
 

@@ -299,7 +299,10 @@ class DeadDirectionMonitor(MonitorCallback):
     # ------------------------------------------------------------ schedule
     def _enough_rows(self, have: float) -> bool:
         assert self.tracker is not None
-        need = 2 * max((t.dim for t in self.tracker.taps.taps.values()), default=1)
+        # 2 d rows for any read; the sigma_min rule decides from N/d >= min_rows_per_dim only
+        per_dim = self.sigma_rule.min_rows_per_dim if self.sigma_rule in self.rules else 2.0
+        width = max((t.dim for t in self.tracker.taps.taps.values()), default=1)
+        need = math.ceil(per_dim * width)
         # Defer at most every_n_steps optimiser steps, then read whatever there is (NaN + reason).
         return have >= need or self._deferred >= self.every_n_steps
 

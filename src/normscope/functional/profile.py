@@ -11,6 +11,14 @@ direction opened by training, or a calibration artefact.
 ``sigma_min``; ``"first_point_unavailable"`` (``p_0``'s ``sigma_min`` is NaN or 0, so no ratio
 exists), ``"previous_point_unavailable"`` (only the step is NaN); for the whole profile also
 ``"no_points"``, ``"single_point"`` (nothing after ``p_0``) and ``"no_finite_ratio"``.
+
+**Error bars from the rows** (docs/metrics.md §1.4.1). A ratio read from ``N`` rows in ``d``
+dimensions is biased low and noisy when ``N / d`` is small: the smallest eigenvalue of a sample
+second moment sits below the population's (``lambda_min`` is concave, so on average it can only
+fall; Marchenko–Pastur puts an isotropic bottom at ``(1 - sqrt(d/N))^2``). Every ratio gets an
+interval :func:`ratio_bounds`, ``[r / slack, r * slack]`` with
+``slack = exp(z / sqrt(N)) / (1 - c sqrt(d / N))`` (``z = 3``, ``c = 0.5``, both measured: see
+``benchmarks/alert_roc.py --errors``), NaN below ``N / d = 4``.
 """
 
 from __future__ import annotations
@@ -25,13 +33,60 @@ from normscope.functional.covariance import symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
 
 __all__ = [
+    "BOUND_BIAS",
+    "BOUND_Z",
+    "MIN_ROWS_PER_DIM",
     "ProfilePoint",
     "SigmaMinProfile",
     "sigma_min",
+    "ratio_bounds",
     "sigma_min_profile",
 ]
 
 _NAN = math.nan
+
+MIN_ROWS_PER_DIM = 4.0  # below N/d = 4 a ratio gets no interval and decides nothing
+BOUND_BIAS = 0.5  # c: the share of the Marchenko-Pastur bottom bias the interval allows
+BOUND_Z = 3.0  # z: the noise allowance, in units of 1/sqrt(N)
+
+
+def ratio_bounds(
+    ratio: float,
+    n_rows: float,
+    rows_per_dim: float,
+    *,
+    c: float = BOUND_BIAS,
+    z: float = BOUND_Z,
+    min_rows_per_dim: float = MIN_ROWS_PER_DIM,
+) -> tuple[float, float]:
+    """The interval ``(lo, hi)`` of a ``sigma_min`` ratio read from ``n_rows`` rows.
+
+    ``slack = exp(z / sqrt(N)) / (1 - c sqrt(d / N))``; ``lo = ratio / slack``,
+    ``hi = ratio * slack``. The numerator's ``sigma_min`` may be read low by up to the share
+    ``c`` of the isotropic Marchenko–Pastur bias ``1 - sqrt(d/N)`` (the denominator's too, for
+    ``lo``), plus a noise term ``z / sqrt(N)``. ``c = 0.5`` and ``z = 3`` cover every error
+    measured against a 48x larger reference read on the demo GPT (docs/metrics.md §1.4.1);
+    ``c = 1`` (the isotropic worst case) is 4–20x wider than any error measured.
+
+    Args:
+        ratio: the read ratio (cumulative or step).
+        n_rows: the rows behind it (the smaller count of the two points).
+        rows_per_dim: ``N / d``.
+        c, z: the bias share and the noise allowance.
+        min_rows_per_dim: below this ``N / d`` the interval is ``(nan, nan)``.
+
+    Example::
+
+        >>> lo, hi = ratio_bounds(0.7, 6400, 50.0)
+        >>> round(lo, 3), round(hi, 3)
+        (0.627, 0.782)
+        >>> ratio_bounds(0.7, 256, 2.0)
+        (nan, nan)
+    """
+    if not (math.isfinite(ratio) and rows_per_dim >= min_rows_per_dim and n_rows > 0):
+        return _NAN, _NAN
+    slack = math.exp(z / math.sqrt(n_rows)) / (1.0 - c / math.sqrt(rows_per_dim))
+    return ratio / slack, ratio * slack
 
 
 def _sigma_min(second_moment: torch.Tensor, n_rows: int, where: str) -> tuple[float, str | None]:
@@ -79,6 +134,8 @@ class ProfilePoint:
     ``p_k`` (``"attn"``, ``"mlp"``, ``"block"``; None for ``p_0``). ``sigma_min_ratio =
     sigma_min(p_k) / sigma_min(p_0)``, ``sigma_min_step = sigma_min(p_k) / sigma_min(p_{k-1})``;
     both 1 at ``p_0``. ``reason`` says why a number is NaN (module docstring).
+    ``rows_per_dim`` is ``N / d``; ``ratio_lo``/``ratio_hi`` and ``step_lo``/``step_hi`` the
+    intervals of :func:`ratio_bounds` (NaN below ``N / d = 4``; ``p_0``'s are 1).
     """
 
     name: str
@@ -89,6 +146,11 @@ class ProfilePoint:
     sigma_min_step: float
     n_rows: int
     reason: str | None
+    rows_per_dim: float = _NAN
+    ratio_lo: float = _NAN
+    ratio_hi: float = _NAN
+    step_lo: float = _NAN
+    step_hi: float = _NAN
 
 
 @dataclass(frozen=True)
@@ -131,19 +193,28 @@ class SigmaMinProfile:
         return min(known) if known else _NAN
 
     def as_dict(self) -> dict[str, float]:
-        """Flat: ``<point>/sigma_min``, ``<point>/sigma_min_ratio``, ``<point>/sigma_min_step``
-        and ``<point>/depth`` (its index ``k``, so that a log alone gives the forward order) for
-        every point, and ``sigma_min_ratio_min``; when the margin was measured also
-        ``<point>/no_cancellation_margin`` and ``no_cancellation_margin_min``."""
+        """Flat: ``<point>/sigma_min``, ``<point>/sigma_min_ratio``, ``<point>/sigma_min_step``,
+        ``<point>/depth`` (its index ``k``, so that a log alone gives the forward order) and
+        the intervals ``<point>/sigma_min_ratio_lo``, ``_hi``, ``<point>/sigma_min_step_lo``,
+        ``_hi`` for every point; ``sigma_min_ratio_min`` and ``rows_per_dim`` (``N / d`` at
+        ``p_0``: the points fold the same rows);
+        when the margin was measured also ``<point>/no_cancellation_margin`` and
+        ``no_cancellation_margin_min``."""
         out: dict[str, float] = {}
         for p, margin in zip(self.points, self.no_cancellation_margin):
             out[f"{p.name}/sigma_min"] = p.sigma_min
             out[f"{p.name}/sigma_min_ratio"] = p.sigma_min_ratio
             out[f"{p.name}/sigma_min_step"] = p.sigma_min_step
             out[f"{p.name}/depth"] = float(p.depth)
+            out[f"{p.name}/sigma_min_ratio_lo"] = p.ratio_lo
+            out[f"{p.name}/sigma_min_ratio_hi"] = p.ratio_hi
+            out[f"{p.name}/sigma_min_step_lo"] = p.step_lo
+            out[f"{p.name}/sigma_min_step_hi"] = p.step_hi
             if self.margin_measured:
                 out[f"{p.name}/no_cancellation_margin"] = margin
         out["sigma_min_ratio_min"] = self.sigma_min_ratio_min
+        # every point folds the same sampled rows: one N/d for the profile (p_0's)
+        out["rows_per_dim"] = self.points[0].rows_per_dim if self.points else _NAN
         if self.margin_measured:
             out["no_cancellation_margin_min"] = self.no_cancellation_margin_min
         return out
@@ -213,7 +284,20 @@ def sigma_min_profile(
             elif reason is None and math.isnan(step):
                 reason = "previous_point_unavailable"
         count = row_count(n_rows[k], "sigma_min_profile")
-        points.append(ProfilePoint(name, k, sublayers[k], value, ratio, step, count, reason))
+        dim = second_moments[k].shape[-1]
+        per_dim = count / dim if dim else _NAN
+        if k == 0:
+            bounds = (ratio, ratio, step, step) if per_dim >= MIN_ROWS_PER_DIM else (_NAN,) * 4
+        else:
+            n0 = min(count, row_count(n_rows[0], "sigma_min_profile"))
+            n1 = min(count, row_count(n_rows[k - 1], "sigma_min_profile"))
+            bounds = (
+                *ratio_bounds(ratio, n0, n0 / dim),
+                *ratio_bounds(step, n1, n1 / dim),
+            )
+        points.append(
+            ProfilePoint(name, k, sublayers[k], value, ratio, step, count, reason, per_dim, *bounds)
+        )
 
     if not first_ok:
         return SigmaMinProfile(tuple(points), _NAN, None, "first_point_unavailable")

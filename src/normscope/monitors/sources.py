@@ -47,27 +47,26 @@ FAMILY = "dd"
 CLASS_CODE = {"intrinsic": 1.0, "distribution-dependent": 2.0, "undetermined": 3.0}
 CLASS_NAME = {v: k for k, v in CLASS_CODE.items()}
 _WATCHED = ("sigma_min_ratio", "sigma_min_step")
+_KEPT = {*_WATCHED, "depth", "n_rows", "rows_per_dim"}
+_KEPT |= {f"{m}_{end}" for m in _WATCHED for end in ("lo", "hi")}
 
 
 def below_floor(values: Mapping[str, float], rule: Any = None) -> bool | None:
     """Is this read of one point below the floor, with rows enough to decide?
 
     ``values``: the point's metrics (``sigma_min_ratio``, ``sigma_min_step``, optionally
-    ``n_rows``). ``rule``: a :class:`~normscope.alerts.SigmaMinRatioRule` (default
-    ``SigmaMinRatioRule()``); its ``threshold`` is the floor and its ``suffixes`` the ratios
-    watched. Returns None when it cannot decide (too few rows: the profile reads NaN below
-    ``2 d`` rows; no finite watched ratio), else whether the smallest watched ratio is below.
-    The one place the decision is made: a row-aware rule can be asked here.
+    ``n_rows``, ``rows_per_dim`` and the ``_lo``/``_hi`` intervals). ``rule``: a
+    :class:`~normscope.alerts.SigmaMinRatioRule` (default ``SigmaMinRatioRule()``), whose
+    :meth:`~normscope.alerts.SigmaMinRatioRule.decide` answers: True when a watched ratio's
+    interval lies under the threshold, False when every one is at or above it with rows
+    enough for an interval, None when the rows cannot decide (no row, too few rows for an
+    interval, a ratio under the threshold whose interval reaches above it, no finite ratio). The pooled rule and the classification decide alike.
     """
     rule = rule if rule is not None else SigmaMinRatioRule()
     rows = values.get("n_rows", math.inf)
     if not (rows > 0):  # NaN or no row
         return None
-    watched = [s.rsplit("/", 1)[-1] for s in getattr(rule, "suffixes", ())] or list(_WATCHED)
-    finite = [v for m in watched if math.isfinite(v := values.get(m, math.nan))]
-    if not finite:
-        return None
-    return min(finite) < rule.threshold
+    return rule.decide(values)[0]
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ def _reads(metrics: Mapping[str, float]) -> dict[str | None, dict[str, dict[str,
         if not sep or "/" not in rest:
             continue
         point, metric = rest.rsplit("/", 1)
-        if metric not in (*_WATCHED, "depth", "n_rows"):
+        if metric not in _KEPT:
             continue
         if head == FAMILY:
             source = None
@@ -106,7 +105,12 @@ def _reads(metrics: Mapping[str, float]) -> dict[str | None, dict[str, dict[str,
             continue
         out.setdefault(source, {}).setdefault(point, {})[metric] = float(value)
     # norm layers have no sigma_min_step: keep the profile's points
-    for read in out.values():
+    for source, read in out.items():
+        head = FAMILY if source is None else f"{FAMILY}.{source}"
+        per_dim = metrics.get(f"{head}/rows_per_dim")
+        if per_dim is not None:  # one N/d per read (the points fold the same rows)
+            for values in read.values():
+                values.setdefault("rows_per_dim", float(per_dim))
         for point in [p for p, m in read.items() if "sigma_min_step" not in m]:
             del read[point]
     return out
@@ -115,7 +119,7 @@ def _reads(metrics: Mapping[str, float]) -> dict[str | None, dict[str, dict[str,
 def _onsets(read: dict[str, dict[str, float]], order: list[str], rule: Any) -> set[str]:
     onsets: set[str] = set()
     upstream = False
-    threshold = (rule if rule is not None else SigmaMinRatioRule()).threshold
+    rule = rule if rule is not None else SigmaMinRatioRule()
     for point in order:
         values = read.get(point)
         if values is None:
@@ -125,8 +129,7 @@ def _onsets(read: dict[str, dict[str, float]], order: list[str], rule: Any) -> s
             continue
         # as SigmaMinRatioRule: below on the cumulative ratio only, its own step fine, after a
         # collapse upstream in this read: a consequence, counted there
-        step_ok = values.get("sigma_min_step", math.inf) >= threshold
-        if not (upstream and step_ok):
+        if not upstream or rule.step_below(values):
             onsets.add(point)
         upstream = True
     return onsets
@@ -230,6 +233,7 @@ def source_reads(profiles: Mapping[str, Any], key_path: Any = str) -> dict[str, 
             out[f"{head}/{name}/depth"] = float(p.depth)
             out[f"{head}/{name}/n_rows"] = float(p.n_rows)
         out[f"{head}/sigma_min_ratio_min"] = profile.sigma_min_ratio_min
+        out[f"{head}/rows_per_dim"] = profile.points[0].rows_per_dim if profile.points else math.nan
         out[f"{head}/n_rows"] = float(profile.points[0].n_rows) if profile.points else 0.0
     return out
 

@@ -1,0 +1,419 @@
+"""The sigma_min alert's operating point, measured on sweeps of runs, never on one.
+
+    python benchmarks/alert_roc.py               # the full sweep (about 1 h on one CPU thread)
+    python benchmarks/alert_roc.py --quick       # a small slice (about 1 min; the tests run it)
+    python benchmarks/alert_roc.py --errors      # interval coverage against a large reference
+
+**Healthy runs**: the demo GPT (examples/nanogpt.py, 4 layers, batch 32 x 64 = 2,048 token rows
+a step, data from examples/data.py) at widths 64/128/256, LayerNorm and RMSNorm, 5 seeds each,
+trained 100 steps. On every run, six real monitors read at once (``DeadDirectionMonitor`` driven
+by :class:`normscope.integrations.Watch`, each its own hooks and schedule): ``every_n_steps`` 1,
+5 and 50 times ``max_rows_per_step`` 512 and 4096, the first read included. Any alert on these
+is a false alarm.
+
+**Collapsing runs**: the same model with the cancelling MLP branch of block 2 (``f(x) =
+mlp(ln_2(x)) - s x P``, P a rank-8 projector) switched on at a random step in [10, 40], at
+strength ``s`` 0.5, 0.8 and 0.95, and a second kind, a *ramp*: ``s`` grows from 0 to 0.95 over
+40 steps (a branch that slowly learns to cancel). Reads every 5 steps at both row caps;
+detection delay = reads from the first read after the switch to the first alert at that block.
+
+Each read's ``dd/`` metrics are kept (JSONL, ``--out``) and the rules judged on the same reads:
+``v1`` is version 1's rule (raw ratios under 0.8, reads from ``2 d`` rows), ``rows`` the rule
+with intervals (``SigmaMinRatioRule()``: the interval's top under 0.8, reads from ``4 d`` rows),
+and ``rows, floor 0.5`` the same at ``tolerance=0.5``. Version 1 read at ``2 d`` rows where the
+new monitor waits for ``4 d``: the one configuration where that differs (width 256 at 512 rows a
+step) runs an extra pair of monitors reading at ``2 d`` for ``v1``.
+
+Only the residual profile is read (``max_memory`` holds the profile's accumulators and nothing
+more: no norm-layer reads, no margin), which changes nothing the rule sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import sys
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from examples.data import ByteDataset, stdlib_text  # noqa: E402
+from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
+
+from normscope import DeadDirectionMonitor, scan_model  # noqa: E402
+from normscope.alerts import SigmaMinRatioRule  # noqa: E402
+from normscope.functional.profile import ratio_bounds  # noqa: E402
+from normscope.integrations import Watch  # noqa: E402
+
+RULES = {
+    "v1": lambda: SigmaMinRatioRule(min_rows_per_dim=2),  # judged on raw ratios, see _v1_view
+    "rows": lambda: SigmaMinRatioRule(),
+    "rows, floor 0.5": lambda: SigmaMinRatioRule(tolerance=0.5),
+}
+
+
+@dataclass
+class Run:
+    kind: str  # "healthy" | "step" | "ramp"
+    width: int
+    norm: str
+    seed: int
+    strength: float = 0.0
+    switch_at: int | None = None
+    steps: int = 100
+    layers: int = 4
+    batch: int = 32
+    block: int = 64
+    schedules: list[tuple[int, int]] = field(default_factory=list)  # (every, max_rows)
+    cancel_block: int = 2
+
+    @property
+    def name(self) -> str:
+        s = f"{self.kind} w{self.width} {self.norm} seed {self.seed}"
+        return s + (f" s={self.strength} at {self.switch_at}" if self.kind != "healthy" else "")
+
+
+def _v1_view(metrics: dict[str, float]) -> dict[str, float]:
+    """A read as version 1's rule saw it: the ratios alone (no intervals, no rows)."""
+    drop = ("_lo", "_hi", "/rows_per_dim")
+    return {k: v for k, v in metrics.items() if not k.endswith(drop)}
+
+
+def _profile_keys(metrics: dict[str, float]) -> dict[str, float]:
+    keep = ("/sigma_min_ratio", "/sigma_min_step", "_lo", "_hi", "/rows_per_dim", "/depth")
+    return {k: v for k, v in metrics.items() if k.startswith("dd/") and k.endswith(keep)}
+
+
+def _batches(data: torch.Tensor, run: Run, seed: int):
+    ds = ByteDataset(data, run.block, samples=10**6, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        idx = torch.randint(len(ds), (run.batch,), generator=g)
+        xs, ys = zip(*(ds[int(i)] for i in idx))
+        yield torch.stack(xs), torch.stack(ys)
+
+
+def _monitor(every: int, rows: int, per_dim: float, width: int, layers: int):
+    points = 2 * layers + 1
+    monitor = DeadDirectionMonitor(
+        every_n_steps=every,
+        max_rows_per_step=rows,
+        kernel_residual_alert=None,
+        alerts=(),
+        verbose=False,
+        overhead_warn=None,
+        max_memory=points * 8 * width * width,  # the profile, nothing else
+    )
+    monitor.sigma_rule.min_rows_per_dim = per_dim  # the window stays open until N/d >= per_dim
+    return monitor
+
+
+def simulate(run: Run, data: torch.Tensor) -> list[dict[str, Any]]:
+    """Train one run with its monitors attached; every read of every monitor, as records."""
+    torch.manual_seed(run.seed)
+    config = GPTConfig(n_layer=run.layers, n_embd=run.width, n_head=4, norm=run.norm)
+    model = GPT(config)
+    opt = make_optimizer(model, lr=1e-3, weight_decay=0.1)
+    mlp = model.transformer.h[min(run.cancel_block, run.layers - 1)].mlp
+    watches = {}
+    for every, rows in run.schedules:
+        watches[(every, rows, 4.0)] = Watch(
+            _monitor(every, rows, 4.0, run.width, run.layers), model
+        )
+        if rows < 4 * run.width:  # version 1 read at 2 d rows here
+            watches[(every, rows, 2.0)] = Watch(
+                _monitor(every, rows, 2.0, run.width, run.layers), model
+            )
+    records: list[dict[str, Any]] = []
+    batches = _batches(data, run, seed=run.seed)
+    for step in range(run.steps + 1):
+        if run.switch_at is not None and step >= run.switch_at:
+            if run.kind == "ramp":
+                mlp.set_cancel(min(0.95, 0.95 * (step - run.switch_at + 1) / 40))
+            else:
+                mlp.set_cancel(run.strength)
+        x, y = next(batches)
+        with contextlib.ExitStack() as stack:
+            results = {k: stack.enter_context(w.step((x, y))) for k, w in watches.items()}
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for (every, rows, per_dim), result in results.items():
+            if result.report is None:
+                continue
+            records.append(
+                {
+                    "run": run.name,
+                    "kind": run.kind,
+                    "width": run.width,
+                    "norm": run.norm,
+                    "seed": run.seed,
+                    "strength": run.strength,
+                    "switch_at": run.switch_at,
+                    "every": every,
+                    "max_rows": rows,
+                    "per_dim": per_dim,
+                    "step": step,
+                    "cancel": mlp.cancel,
+                    "block": run.cancel_block,
+                    "layers": run.layers,
+                    "metrics": _profile_keys(result.report.as_dict()),
+                }
+            )
+    for w in watches.values():
+        w.close()
+    return records
+
+
+def _block_point(metrics: dict[str, float], block: int, layers: int) -> str | None:
+    """The point right after the cancelling MLP (input of block ``block + 1``'s ln_1)."""
+    target = f".h.{block + 1}.ln_1/" if block + 1 < layers else ".ln_f/"
+    for k in metrics:
+        if target in k:
+            return k.split("/")[1]
+    return None
+
+
+def judge(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rule on every monitor's reads: false alarms and detection delays."""
+    series: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        series[(r["run"], r["every"], r["max_rows"], r["per_dim"])].append(r)
+    out: dict[str, Any] = {"healthy": {}, "collapse": {}}
+    for rule_name, make in RULES.items():
+        healthy_reads = healthy_alerts = 0
+        alarms_by: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # config -> [alerts, reads]
+        collapse: list[dict[str, Any]] = []
+        false_alarms = out.setdefault("false_alarms", [])
+        for (run, every, rows, per_dim), reads in series.items():
+            first = reads[0]
+            if rule_name == "v1":  # version 1 read from 2 d rows: those monitors where they ran
+                if per_dim == 4.0 and (run, every, rows, 2.0) in series:
+                    continue
+            elif per_dim != 4.0:
+                continue
+            rule = make()
+            fired_steps = []
+            for r in sorted(reads, key=lambda r: r["step"]):
+                m = _v1_view(r["metrics"]) if rule_name == "v1" else r["metrics"]
+                alerts = rule.evaluate(m, r["step"])
+                fired_steps.append((r["step"], r["cancel"], [a.point for a in alerts]))
+            if first["kind"] == "healthy":
+                n_alerts = sum(1 for _, _, pts in fired_steps if pts)
+                for s, _, pts in fired_steps:
+                    if pts:
+                        false_alarms.append((rule_name, run, every, rows, s, pts))
+                healthy_reads += len(fired_steps)
+                healthy_alerts += n_alerts
+                key = f"w{first['width']} every {every} rows {rows}"
+                alarms_by[key][0] += n_alerts
+                alarms_by[key][1] += len(fired_steps)
+            else:
+                point = _block_point(reads[0]["metrics"], first["block"], first["layers"])
+                after = [(s, c, pts) for s, c, pts in fired_steps if s >= first["switch_at"]]
+                delay = None
+                for i, (_s, _c, pts) in enumerate(after):
+                    if point in pts:
+                        delay = i + 1
+                        break
+                early = sum(1 for s, _, pts in fired_steps if s < first["switch_at"] and pts)
+                collapse.append(
+                    {
+                        "kind": first["kind"],
+                        "strength": first["strength"],
+                        "width": first["width"],
+                        "norm": first["norm"],
+                        "rows": rows,
+                        "delay": delay,
+                        "early_alerts": early,
+                    }
+                )
+        out["healthy"][rule_name] = {
+            "reads": healthy_reads,
+            "alerts": healthy_alerts,
+            "per_1000": 1000 * healthy_alerts / max(healthy_reads, 1),
+            "by_config": {k: tuple(v) for k, v in sorted(alarms_by.items())},
+        }
+        out["collapse"][rule_name] = collapse
+    return out
+
+
+def sweep(quick: bool, rng: random.Random) -> list[Run]:
+    widths = (32, 64) if quick else (64, 128, 256)
+    seeds = range(1) if quick else range(5)
+    steps = 30 if quick else 100
+    healthy_sched = [(e, r) for e in ((1, 5) if quick else (1, 5, 50)) for r in (512, 4096)]
+    runs = [
+        Run("healthy", w, n, s, steps=steps, layers=2 if quick else 4, schedules=healthy_sched)
+        for w in widths
+        for n in ("layernorm", "rmsnorm")
+        for s in seeds
+    ]
+    kinds = [("step", 0.95)] if quick else [("step", 0.5), ("step", 0.8), ("step", 0.95)]
+    kinds += [] if quick else [("ramp", 0.95)]
+    for w in widths:
+        for n in ("layernorm", "rmsnorm"):
+            for s in range(1 if quick else 2):
+                for kind, strength in kinds:
+                    switch = rng.randint(5, 10) if quick else rng.randint(10, 40)
+                    length = 15 if kind == "step" else 45
+                    runs.append(
+                        Run(
+                            kind,
+                            w,
+                            n,
+                            100 + s,
+                            strength=strength,
+                            switch_at=switch,
+                            steps=switch + length,
+                            layers=2 if quick else 4,
+                            schedules=[(5, 512), (5, 4096)],
+                            cancel_block=1 if quick else 2,
+                        )
+                    )
+    return runs
+
+
+def detection_table(collapse: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+    rows = []
+    groups = sorted(
+        {(c["kind"], c["strength"]) for cs in collapse.values() for c in cs},
+        key=lambda g: (g[0] == "ramp", g[1]),
+    )
+    for kind, strength in groups:
+        label = f"ramp to {strength}" if kind == "ramp" else f"strength {strength}"
+        cells = [label]
+        for rule_name in RULES:
+            cs = [c for c in collapse[rule_name] if (c["kind"], c["strength"]) == (kind, strength)]
+            within2 = sum(1 for c in cs if c["delay"] is not None and c["delay"] <= 2)
+            caught = [c["delay"] for c in cs if c["delay"] is not None]
+            mean = f"{sum(caught) / len(caught):.1f}" if caught else "-"
+            cells.append(f"{within2}/{len(cs)} (mean delay {mean})")
+        rows.append(cells)
+    return rows
+
+
+def errors(quick: bool) -> list[list[str]]:
+    """Interval coverage: ratios read from N rows against a reference from many more rows."""
+    data = torch.frombuffer(bytearray(stdlib_text(2_000_000)), dtype=torch.uint8)
+    out = []
+    for width in (32, 64) if quick else (64, 128, 256):
+        for norm in ("layernorm", "rmsnorm"):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(n_layer=2 if quick else 4, n_embd=width, n_head=4, norm=norm))
+            model.eval()
+            run = Run("healthy", width, norm, 0)
+            gen = _batches(data, run, seed=7)
+            ref_batches = [next(gen)[0] for _ in range(8 if quick else 48)]
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ref = scan_model(model, ref_batches, layers="auto").as_dict()
+                for per_dim in (4, 8, 16, 32):
+                    rows = per_dim * width
+                    if rows > 2048:
+                        continue
+                    covered = total = 0
+                    worst = 0.0
+                    for b in range(4):
+                        m = scan_model(model, [ref_batches[b]], max_rows_per_batch=rows).as_dict()
+                        for k, v in m.items():
+                            if not k.endswith(("/sigma_min_ratio", "/sigma_min_step")):
+                                continue
+                            if k.startswith("dd/") and math.isfinite(v) and v != 1.0:
+                                truth = ref[k]
+                                lo, hi = ratio_bounds(v, rows, per_dim)
+                                total += 1
+                                covered += lo <= truth <= hi
+                                worst = min(worst, math.log(v / truth))
+                    out.append(
+                        [
+                            f"{width}",
+                            norm,
+                            f"{per_dim}",
+                            f"{covered}/{total}",
+                            f"{worst:+.3f}",
+                        ]
+                    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--errors", action="store_true")
+    p.add_argument("--out", default=None, help="JSONL of every read (default: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--judge", default=None, help="judge the reads of an earlier --out JSONL")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    if args.errors:
+        rows = errors(args.quick)
+        print("| width | norm | N/d | reference inside [lo, hi] | worst log(read/reference) |")
+        print("|---:|---|---:|---:|---:|")
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+        return {"errors": rows}
+    started = time.perf_counter()
+    if args.judge:
+        with open(args.judge) as fh:
+            records = [json.loads(line) for line in fh]
+        n_runs = len({r["run"] for r in records})
+    else:
+        runs = sweep(args.quick, random.Random(args.seed))
+        n_runs = len(runs)
+        data = torch.frombuffer(bytearray(stdlib_text(2_000_000)), dtype=torch.uint8)
+        records = []
+        out = open(args.out, "w") if args.out else None  # noqa: SIM115 - written run by run
+        for i, run in enumerate(runs, 1):
+            t0 = time.perf_counter()
+            got = simulate(run, data)
+            records += got
+            if out is not None:
+                out.writelines(json.dumps(r) + "\n" for r in got)
+                out.flush()
+            print(f"[{i}/{n_runs}] {run.name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        if out is not None:
+            out.close()
+    verdict = judge(records)
+    print(f"\n{n_runs} runs, {len(records)} reads, {time.perf_counter() - started:.0f} s")
+    print("\n| rule | healthy reads | false alarms | per 1,000 reads |")
+    print("|---|---:|---:|---:|")
+    for name, h in verdict["healthy"].items():
+        print(f"| {name} | {h['reads']} | {h['alerts']} | {h['per_1000']:.1f} |")
+    print("\nfalse alarms by configuration (alerts/reads): ")
+    for name, h in verdict["healthy"].items():
+        bad = {k: v for k, v in h["by_config"].items() if v[0]}
+        print(f"  {name}: {bad or 'none'}")
+    for rule_name, run, every, rows, step, points in verdict["false_alarms"]:
+        if rule_name != "v1":
+            print(f"  {rule_name}: {run}, every {every}, rows {rows}, step {step}: {points}")
+    print("\n| collapse | " + " | ".join(f"{n}: within 2 reads" for n in RULES) + " |")
+    print("|---|" + "---:|" * len(RULES))
+    for r in detection_table(verdict["collapse"]):
+        print("| " + " | ".join(r) + " |")
+    print("\nmisses of 'rows' (delay > 2 or none), by width and row cap:")
+    misses = defaultdict(int)
+    for c in verdict["collapse"]["rows"]:
+        if c["strength"] >= 0.8 and (c["delay"] is None or c["delay"] > 2):
+            misses[(c["kind"], c["strength"], c["width"], c["rows"])] += 1
+    print("  " + (", ".join(f"{k}: {v}" for k, v in sorted(misses.items())) or "none"))
+    verdict["records"] = len(records)
+    return verdict
+
+
+if __name__ == "__main__":
+    main()
