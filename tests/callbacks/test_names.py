@@ -244,3 +244,25 @@ def test_wandb_run_holds_both_families_and_their_summaries(tmp_path, monkeypatch
     assert run.summary["dd[all]/rows_rejected"] == {"max": 0}
     assert "max" in run.summary["sm/reads_disabled"]
     assert "dd[fast]/worst_point" in run.summary and "dd[all]/worst_point" in run.summary
+
+
+def test_named_per_source_and_sign_magnitude_families(tmp_path):
+    """``sources=`` in a named monitor: ``dd[src].<source>/...`` and ``dd[src]/collapse_class``;
+    a named SignMagnitudeMonitor in the same fit: ``sm[p]/...``."""
+
+    def halves(batch):
+        return ["even" if i % 2 == 0 else "odd" for i in range(len(batch[0]))]
+
+    torch.manual_seed(0)
+    dd = DeadDirectionMonitor(every_n_steps=2, name="src", sources=halves, verbose=False)
+    sm = SignMagnitudeMonitor(every_n_steps=2, name="p", probe_layers=(), verbose=False)
+    trainer = cpu_trainer(4, [dd, sm], logger=CSVLogger(tmp_path, name="csv"))
+    quiet_fit(trainer, LitTiny())
+    keys = set(csv_rows(tmp_path / "csv")[0])
+    for source in ("even", "odd"):
+        assert f"dd[src].{source}/sigma_min_ratio_min" in keys
+        assert f"dd[src].{source}/n_rows" in keys
+    assert "dd[src]/collapse_class" in keys and "dd[src]/sigma_min_ratio_min" in keys
+    assert "sm[p]/sign_alignment_mean" in keys
+    assert not any(k.startswith(("dd/", "dd.", "sm/")) for k in keys)
+    assert steps_of(csv_rows(tmp_path / "csv"), "sm[p]/sign_alignment_mean") == [1, 2, 4]
