@@ -198,6 +198,7 @@ def test_report_reads_a_named_family(two_monitor_run, tmp_path):
     assert [r["step"] for r in result["reads"]] == ["1", "2", "4", "6", "8"]
     assert result["monitor"] == "fast" and result["monitors"] == ["all", "fast"]
     assert "model.ln_f" not in result["norms"]
+    assert any("other monitors in this run: all" in n for n in result["notes"])
     code, _, stderr = run_cli("report", folder, "--out", tmp_path / "all", "--name", "all")
     assert code == 0, stderr
     assert [r["step"] for r in load_json(tmp_path / "all" / "report.json")["reads"]] == [

@@ -251,11 +251,11 @@ def run(args: argparse.Namespace) -> int:
     if name:
         notes.append(f"monitor: DeadDirectionMonitor[{name}] (its dd[{name}]/ keys)")
     others = [n for n in names if n != name]
+    if name and merge_reads(log.history):
+        others.append("the unnamed one (no --name)")
     if others:
         notes.append(
-            f"other monitors in this run: {', '.join(others)}"
-            + (" and the unnamed one" if name and merge_reads(log.history) else "")
-            + " (--name NAME reports on one)"
+            f"other monitors in this run: {', '.join(others)} (--name NAME reports on one)"
         )
     alerts = [{**a, "origin": "logged"} for a in log.alerts if _alert_is_of(a, name)]
     if log.source == "wandb":
