@@ -98,6 +98,7 @@ def test_alert_title_fits_wandb_and_as_dict_is_complete() -> None:
         "threshold",
         "point",
         "sublayer",
+        "monitor",
         "message",
     }
 

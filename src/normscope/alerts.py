@@ -53,12 +53,19 @@ class Alert:
     message: str
     point: str | None = None
     sublayer: str | None = None
+    #: the monitor that raised it: ``"DeadDirectionMonitor"``, or with its name
+    #: ``"DeadDirectionMonitor[fast]"`` (then ``key`` is the key that monitor logs, ``dd[fast]/...``)
+    monitor: str | None = None
 
     @property
     def title(self) -> str:
-        """A short title (W&B caps alert titles near 64 characters)."""
+        """A short title (W&B caps alert titles near 64 characters); a named monitor's alert
+        says its name: ``normscope[fast]: sigma_min_collapse at mlp``."""
         where = f" at {self.sublayer}" if self.sublayer else ""
-        return f"normscope: {self.rule}{where}"[:63]
+        named = (
+            self.monitor[self.monitor.find("[") :] if self.monitor and "[" in self.monitor else ""
+        )
+        return f"normscope{named}: {self.rule}{where}"[:63]
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +77,7 @@ class Alert:
             "point": self.point,
             "sublayer": self.sublayer,
             "message": self.message,
+            "monitor": self.monitor,
         }
 
 

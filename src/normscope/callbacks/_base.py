@@ -19,7 +19,9 @@ Finer failures are handled below: a tap whose tensor it cannot read disables tha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect
 import math
 import time
 import warnings
@@ -40,6 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from normscope.callbacks.wandb_extras import define_summaries
 from normscope.integrations.layers import select_layers
+from normscope.monitors.names import check_name, named_key, named_metrics
 
 __all__ = ["MonitorCallback", "check_strategy", "compiled", "eager_forwards", "fail_open"]
 
@@ -114,13 +117,46 @@ def _guard_state(method: Callable[..., Any]) -> Callable[..., Any]:
             )
             self._warn_once(
                 f"state:{method.__name__}",
-                f"normscope: {type(self).__name__}.{method.__name__} failed; {then} "
+                f"normscope: {self.label}.{method.__name__} failed; {then} "
                 f"({type(err).__name__}: {err})",
             )
             return {} if saving else None
 
     guarded._normscope_guarded = True  # type: ignore[attr-defined]
     return guarded
+
+
+#: constructor arguments left out of state_key (see MonitorCallback.state_key)
+_UNKEYED = frozenset({"self", "every_n_steps", "layers", "verbose", "overhead_warn", "alerts"})
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def stable_repr(value: Any) -> str:
+    """A text of ``value`` that is the same in every process (no memory address): plain values
+    by ``repr``; sequences and dicts item by item; functions, methods and classes by their
+    qualified name; a tensor by shape and dtype; any other object by its class's qualified name
+    and its public plain attributes (a rule's thresholds)."""
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(stable_repr(v) for v in value)
+        return f"[{inner}]"  # a list and a tuple of the same items: one key
+    if isinstance(value, dict):
+        items = sorted((str(k), stable_repr(v)) for k, v in value.items())
+        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)}:{value.dtype}"
+    qualname = getattr(value, "__qualname__", None)
+    if isinstance(qualname, str):
+        return f"{getattr(value, '__module__', None) or ''}.{qualname}".lstrip(".")
+    cls = type(value)
+    attrs = sorted(
+        (k, v)
+        for k, v in getattr(value, "__dict__", {}).items()
+        if not k.startswith("_") and isinstance(v, _PLAIN)
+    )
+    inner = ", ".join(f"{k}={v!r}" for k, v in attrs)
+    return f"{cls.__module__}.{cls.__qualname__}({inner})"
 
 
 # Every Lightning hook a monitor may define; each is guarded by fail_open.
@@ -163,7 +199,13 @@ class MonitorCallback(Callback):
     #: plain (not sampled) steps timed before a read's cost is judged against them
     min_timed_steps: int = 20
 
-    def __init__(self, every_n_steps: int, overhead_warn: float | None = 0.05) -> None:
+    def __init__(
+        self, every_n_steps: int, overhead_warn: float | None = 0.05, name: str | None = None
+    ) -> None:
+        try:
+            self.name = check_name(name, type(self).__name__)
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
         if (
             not isinstance(every_n_steps, int)
             or isinstance(every_n_steps, bool)
@@ -198,6 +240,43 @@ class MonitorCallback(Callback):
         self._skipped_loggers: set[int] = set()
         self._failed_rules: set[int] = set()
 
+    @property
+    def label(self) -> str:
+        """``DeadDirectionMonitor``, or with a name ``DeadDirectionMonitor[fast]`` (messages,
+        alerts)."""
+        name = getattr(self, "name", None)
+        return f"{type(self).__name__}[{name}]" if name else type(self).__name__
+
+    # ------------------------------------------------------------ checkpoint key
+    def _remember_arguments(self, init: Callable[..., Any], given: dict[str, Any]) -> None:
+        """Keep, for :attr:`state_key`, every argument of ``init`` (the monitor's own
+        ``__init__``) that differs from its default, as a stable text (:func:`stable_repr`).
+        Called with ``locals()`` at the top of ``__init__``, before anything changes them."""
+        keyed: dict[str, str] = {}
+        for pname, param in inspect.signature(init).parameters.items():
+            if pname in _UNKEYED or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            value = stable_repr(given.get(pname, param.default))
+            if param.default is not param.empty and value == stable_repr(param.default):
+                continue
+            keyed[pname] = value
+        self._keyed_arguments = dict(sorted(keyed.items()))
+
+    @property
+    def state_key(self) -> str:
+        """The monitor's key in a checkpoint's callback states: its class, ``every_n_steps``,
+        ``layers`` and every other constructor argument given a value other than its default
+        (``verbose``, ``overhead_warn`` and ``alerts`` aside: they change how a read is shown or
+        delivered, not what is read or kept). Two monitors that differ in any of them -- a
+        ``name``, a ``tolerance`` -- coexist in one Trainer and each resumes its own state; a
+        monitor with default arguments keeps the key of earlier versions,
+        ``DeadDirectionMonitor{'every_n_steps': 50, 'layers': 'auto'}``."""
+        return self._generate_state_key(
+            every_n_steps=self.every_n_steps,
+            layers=str(self.layers),  # type: ignore[attr-defined]
+            **getattr(self, "_keyed_arguments", {}),
+        )
+
     # ------------------------------------------------------------ lifecycle
     # Shared by every monitor; a subclass gives ``tracker`` (None until built),
     # ``_build_tracker(pl_module)`` and, optionally, ``_check_setup(trainer)``. Defined here, so
@@ -206,6 +285,7 @@ class MonitorCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
         if stage != "fit" or self.tracker is not None:
             return
+        self._check_names(trainer)
         self._check_setup(trainer)
         if is_overridden("configure_model", pl_module):
             return  # its layers may be built (or sharded) there, after setup: see on_fit_start
@@ -215,6 +295,24 @@ class MonitorCallback(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
         if self.tracker is None:
             self._build_tracker(pl_module)
+
+    def _check_names(self, trainer: Trainer) -> None:
+        """Warn (once, from the first of them) when another monitor of this class in the
+        Trainer has the same name: both would log the same keys, their rows interleaved."""
+        same = [
+            cb
+            for cb in getattr(trainer, "callbacks", [])
+            if type(cb) is type(self) and getattr(cb, "name", None) == self.name
+        ]
+        if len(same) > 1 and same[0] is self:
+            family = named_key(
+                "dd/" if "DeadDirection" in type(self).__name__ else "sm/", self.name
+            )
+            rank_zero_warn(
+                f"normscope: {len(same)} {self.label}s in this Trainer log the same keys "
+                f"({family}...), their reads interleaved; give each its own "
+                f"name=... (keys dd[name]/...)"
+            )
 
     def _check_setup(self, trainer: Trainer) -> None:
         """Refuse, at setup, what the monitor cannot read (``MisconfigurationException``)."""
@@ -243,7 +341,7 @@ class MonitorCallback(Callback):
         suggest = math.ceil(read_seconds / (self.overhead_warn * step)) if step > 0 else None
         self._warn_once(
             "cost",
-            f"normscope: a {type(self).__name__} read takes {read_seconds:.3g} s against a mean "
+            f"normscope: a {self.label} read takes {read_seconds:.3g} s against a mean "
             f"training step of {step:.3g} s: about {share:.0%} of training time at "
             f"every_n_steps={self.every_n_steps}. every_n_steps={suggest} keeps it under "
             f"{self.overhead_warn:.0%} (or read fewer layers: layers=[...], max_memory=...); "
@@ -263,8 +361,10 @@ class MonitorCallback(Callback):
 
         A logger, rule or sink that raises is warned about once and left out from then on
         (loggers: for this monitor's metrics only); the others, and the monitor, go on."""
-        monitor = type(self).__name__
-        logged = select_layers(metrics, self.log_per_layer)  # rules and callback_metrics: all
+        monitor = self.label
+        # Loggers and callback_metrics get the keys under the monitor's name (dd[name]/...);
+        # the rules see the canonical dd/ keys. log_per_layer ranks the canonical keys.
+        logged = named_metrics(select_layers(metrics, self.log_per_layer), self.name)
         for lg in trainer.loggers:
             if id(lg) in self._skipped_loggers:
                 continue
@@ -284,7 +384,10 @@ class MonitorCallback(Callback):
                 )
         device = trainer.strategy.root_device
         trainer.callback_metrics.update(
-            {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in metrics.items()}
+            {
+                k: torch.tensor(v, dtype=torch.float32, device=device)
+                for k, v in named_metrics(metrics, self.name).items()
+            }
         )
         fired: list[Any] = []
         for rule in self.rules:
@@ -300,6 +403,7 @@ class MonitorCallback(Callback):
                     f"failed and is disabled; {monitor} and its other rules go on "
                     f"({type(err).__name__}: {err})",
                 )
+        fired = [self._own_alert(a) for a in fired]
         self.alerts_fired.extend(fired)
         self._keep_bounded()
         if trainer.is_global_zero:
@@ -315,6 +419,22 @@ class MonitorCallback(Callback):
                             f"{monitor} and its other sinks go on ({type(err).__name__}: {err})",
                         )
         return fired
+
+    def _own_alert(self, alert: Any) -> Any:
+        """An alert as this monitor reports it: ``monitor`` set; with a name, its key is the
+        logged one (``dd[name]/...``) and its message starts with ``DeadDirectionMonitor[name]:``."""
+        if not dataclasses.is_dataclass(alert) or not hasattr(alert, "monitor"):
+            return alert
+        if self.name is None:
+            return dataclasses.replace(alert, monitor=alert.monitor or self.label)
+        if alert.monitor is not None:
+            return alert  # already named (a restored or re-raised alert)
+        return dataclasses.replace(
+            alert,
+            key=named_key(alert.key, self.name),
+            monitor=self.label,
+            message=f"{self.label}: {alert.message}",
+        )
 
     def _keep_bounded(self) -> None:
         """Per-read lists keep their last ``keep_last`` entries: a week-long run with a read
@@ -402,7 +522,7 @@ class MonitorCallback(Callback):
         if warn:
             # On the rank that failed, whichever it is (rank_zero_warn would hide rank 1's).
             warnings.warn(
-                f"normscope: {type(self).__name__} disabled itself after an internal error; "
+                f"normscope: {self.label} disabled itself after an internal error; "
                 f"training continues without it ({reason})",
                 UserWarning,
                 stacklevel=3,

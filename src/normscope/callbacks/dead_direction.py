@@ -98,6 +98,11 @@ class DeadDirectionMonitor(MonitorCallback):
             distribution-dependent, 3 undetermined, 0 none) and a
             :class:`~normscope.alerts.SourceCollapseRule`; the pooled keys are unchanged.
         max_sources: sources tracked (``max_memory`` plans for this many).
+        name: tell this monitor from others in the same fit (several cadences, layer sets or
+            thresholds): every key it logs reads ``dd[name]/...`` (``dd[name].<source>/...``)
+            instead of ``dd/...``, so each gets its own W&B section; its alerts name it
+            (``DeadDirectionMonitor[name]: ...``). Rules still see the ``dd/`` keys. A
+            non-empty string without ``/``, brackets or whitespace.
 
     Raises:
         MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
@@ -142,8 +147,10 @@ class DeadDirectionMonitor(MonitorCallback):
         log_per_layer: str | int = "all",
         sources: Callable[[Any], Any] | str | None = None,
         max_sources: int = 8,
+        name: str | None = None,
     ) -> None:
-        super().__init__(every_n_steps, overhead_warn)
+        self._remember_arguments(DeadDirectionMonitor.__init__, locals())
+        super().__init__(every_n_steps, overhead_warn, name)
         try:
             self.log_per_layer = check_log_per_layer(log_per_layer, "DeadDirectionMonitor")
         except ValueError as err:
@@ -284,7 +291,9 @@ class DeadDirectionMonitor(MonitorCallback):
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.verbose and self.last_report is not None and trainer.is_global_zero:
-            rank_zero_info(format_summary(self.last_report, self.reads, self.alerts_fired))
+            rank_zero_info(
+                self._named(format_summary(self.last_report, self.reads, self.alerts_fired))
+            )
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.tracker is not None:
@@ -357,13 +366,20 @@ class DeadDirectionMonitor(MonitorCallback):
         if trainer.is_global_zero:
             self._local(
                 lambda: log_wandb_extras(
-                    trainer, report, step, reads=self.reads, every=self.charts_every_n_reads
+                    trainer,
+                    report,
+                    step,
+                    reads=self.reads,
+                    every=self.charts_every_n_reads,
+                    name=self.name,
                 ),
                 "W&B charts",
             )
         fired = self._publish(trainer, metrics, step)
         if self.verbose and trainer.is_global_zero:
-            self._local(lambda: rank_zero_info(format_read_line(report, fired)), "read line")
+            self._local(
+                lambda: rank_zero_info(self._named(format_read_line(report, fired))), "read line"
+            )
         if self.stop_on_alert:
             self._stop_decided_step = self._step_at_batch_start
             stop = trainer.strategy.reduce_boolean_decision(bool(fired), all=False)
@@ -376,9 +392,13 @@ class DeadDirectionMonitor(MonitorCallback):
         except Exception as err:  # noqa: BLE001 - that part only
             self._warn_once(
                 f"local:{what}",
-                f"normscope: DeadDirectionMonitor's {what} failed; the reads go on without it "
+                f"normscope: {self.label}'s {what} failed; the reads go on without it "
                 f"({type(err).__name__}: {err})",
             )
+
+    def _named(self, text: str) -> str:
+        """A read line or summary under this monitor's name: ``normscope[fast] step 50 | ...``."""
+        return text.replace("normscope", f"normscope[{self.name}]", 1) if self.name else text
 
     def _detach(self) -> None:
         if self.tracker is not None:
@@ -415,10 +435,6 @@ class DeadDirectionMonitor(MonitorCallback):
         for rule, rule_state in zip(self.rules, state_dict.get("rules", [])):
             rule.load_state_dict(rule_state)
         self.alerts_fired = [Alert(**a) for a in state_dict.get("alerts_fired", [])]
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, layers=str(self.layers))
 
     # ------------------------------------------------------------ helpers
     @property

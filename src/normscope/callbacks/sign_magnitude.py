@@ -73,6 +73,9 @@ class SignMagnitudeMonitor(MonitorCallback):
         log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
             ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.integrations.layers`)
             and every run-level key. Alert rules still see every layer.
+        name: tell this monitor from others in the same fit: its keys read ``sm[name]/...``
+            instead of ``sm/...`` and its alerts name it (``SignMagnitudeMonitor[name]: ...``);
+            rules still see the ``sm/`` keys. As ``DeadDirectionMonitor(name=...)``.
 
     Example::
 
@@ -98,8 +101,10 @@ class SignMagnitudeMonitor(MonitorCallback):
         seed: int = 0,
         overhead_warn: float | None = 0.05,
         log_per_layer: str | int = "all",
+        name: str | None = None,
     ) -> None:
-        super().__init__(every_n_steps, overhead_warn)
+        self._remember_arguments(SignMagnitudeMonitor.__init__, locals())
+        super().__init__(every_n_steps, overhead_warn, name)
         try:
             self.log_per_layer = check_log_per_layer(log_per_layer, "SignMagnitudeMonitor")
         except ValueError as err:
@@ -231,7 +236,10 @@ class SignMagnitudeMonitor(MonitorCallback):
         self.history.append((step, {k: v for k, v in metrics.items() if k.count("/") == 1}))
         fired = self._publish(trainer, metrics, step)
         if self.verbose and trainer.is_global_zero:
-            rank_zero_info(_read_line(step, metrics, fired))
+            line = _read_line(step, metrics, fired)
+            if self.name:
+                line = line.replace("normscope sm", f"normscope sm[{self.name}]", 1)
+            rank_zero_info(line)
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, alert state and the previous read's signs (int8, for ``sign_churn``)."""
@@ -249,10 +257,6 @@ class SignMagnitudeMonitor(MonitorCallback):
             self.tracker.load_state_dict(state_dict.get("tracker", {}))
         else:
             self._pending_state = state_dict.get("tracker", {})
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, layers=str(self.layers))
 
 
 def _device(module: torch.nn.Module) -> torch.device:

@@ -13,8 +13,9 @@ and the sweep view show the worst read of the run, not the last one; their step 
 (``dd/sigma_min_profile``) are media: two per call. They are logged at the first read and then
 every ``every``-th read (``DeadDirectionMonitor.charts_every_n_reads``, 10), not at every read.
 
-**Workspace layout.** Every key keeps its ``dd/`` or ``sm/`` prefix, so W&B's default
-workspace puts each family in one section; the run-level keys (``dd/<metric>``) are the ones to
+**Workspace layout.** Every key keeps its ``dd/`` or ``sm/`` prefix (a named monitor's
+``dd[name]/``: :mod:`normscope.monitors.names`), so W&B's default workspace puts each family --
+each monitor -- in one section; the run-level keys (``dd/<metric>``) are the ones to
 pin. For a deep model pass ``log_per_layer=k`` to the monitor (the ``k`` worst layers and every
 run-level key; :mod:`normscope.integrations.layers`), and filter panels by metric with a regex
 in the workspace search (``dd/.*/sigma_min_ratio``, ``dd/.*/kernel_residual``).
@@ -27,6 +28,7 @@ import sys
 from typing import Any
 
 from normscope.monitors.dead_direction import DeadDirectionReport, key_path
+from normscope.monitors.names import named_key, parse_family
 
 __all__ = ["SUMMARIES", "define_summaries", "log_wandb_extras"]
 
@@ -43,8 +45,11 @@ SUMMARIES: dict[str, str] = {
 }
 
 _STEP = "trainer/global_step"
-_DEFINED: set[str] = set()  # run ids whose summaries are defined
-_RUN_MIN: dict[str, float] = {}  # run id -> the run's smallest dd/sigma_min_ratio_min so far
+# (run id, family head) pairs whose summaries are defined: per family, so that a second
+# monitor in the same run (an sm next to a dd, a dd[fast] next to a dd) gets its own
+_DEFINED: set[tuple[str, str]] = set()
+# (run id, family head) -> that family's smallest sigma_min_ratio_min so far
+_RUN_MIN: dict[tuple[str, str], float] = {}
 
 
 def _run_key(run: Any) -> str:
@@ -70,24 +75,27 @@ def _wandb_run_of(logger: Any) -> tuple[Any, str | None]:
 
 
 def define_summaries(logger: Any, metrics: dict[str, float]) -> None:
-    """``define_metric`` for the run-level keys of :data:`SUMMARIES`, once per W&B run, on a
-    Lightning ``WandbLogger``'s run or the run of a plain-loop ``log=wandb.log`` (a no-op for
-    other loggers)."""
+    """``define_metric`` for the run-level keys of :data:`SUMMARIES`, once per W&B run and
+    family (``dd``, ``sm``, a named monitor's ``dd[fast]``: ``dd[fast]/sigma_min_ratio_min``
+    summarises as a minimum too), on a Lightning ``WandbLogger``'s run or the run of a
+    plain-loop ``log=wandb.log`` (a no-op for other loggers)."""
     run, step_metric = _wandb_run_of(logger)
     if run is None:
         return
     key = _run_key(run)
-    if key in _DEFINED:
-        return
-    families = {k.split("/", 1)[0] for k in metrics}
-    for metric, summary in SUMMARIES.items():
-        if metric.split("/", 1)[0] in families:
+    for head in sorted({k.split("/", 1)[0] for k in metrics}):
+        family, name, source = parse_family(head)
+        if family is None or source is not None or (key, head) in _DEFINED:
+            continue
+        for metric, summary in SUMMARIES.items():
+            if metric.split("/", 1)[0] != family:
+                continue
+            metric = named_key(metric, name)
             if step_metric is None:
                 run.define_metric(metric, summary=summary)
             else:
                 run.define_metric(metric, step_metric=step_metric, summary=summary)
-    if families & {"dd", "sm"}:
-        _DEFINED.add(key)
+        _DEFINED.add((key, head))
 
 
 def _charts_due(reads: int | None, every: int) -> bool:
@@ -101,12 +109,14 @@ def log_wandb_extras(
     *,
     reads: int | None = None,
     every: int = 10,
+    name: str | None = None,
 ) -> None:
     """For each attached ``WandbLogger``: ``dd/worst_point`` in the summary (the point of the
     run's smallest ratio so far), and, at the first read and every ``every``-th one (``reads``
     counts from 1; ``None``: now), a table of each norm's bottom eigenvalues
     (``dd/spectrum_bottom``) and a line chart of the sigma_min ratio against depth
-    (``dd/sigma_min_profile``) with the ratio-1 floor drawn as a second series."""
+    (``dd/sigma_min_profile``) with the ratio-1 floor drawn as a second series. A named
+    monitor's (``name``) go under ``dd[name]/...``, its own worst point too."""
     from lightning.pytorch.loggers import WandbLogger
 
     runs = [lg.experiment for lg in trainer.loggers if isinstance(lg, WandbLogger)]
@@ -115,27 +125,27 @@ def log_wandb_extras(
     profile = report.profile
     for run in runs:
         ratio = profile.sigma_min_ratio_min if profile is not None else math.nan
-        key = _run_key(run)
+        key = (_run_key(run), named_key("dd/", name)[:-1])
         if math.isfinite(ratio) and ratio < _RUN_MIN.get(key, math.inf):
             _RUN_MIN[key] = ratio
-            run.summary["dd/worst_point"] = key_path(profile.worst_point or "")
-            run.summary["dd/worst_point_step"] = step
+            run.summary[named_key("dd/worst_point", name)] = key_path(profile.worst_point or "")
+            run.summary[named_key("dd/worst_point_step", name)] = step
     if not _charts_due(reads, every):
         return
     import wandb
 
     payload: dict[str, Any] = {}
     spectrum = wandb.Table(columns=["layer", "k", "eigenvalue_over_top"])
-    for name, norm in report.norms.items():
+    for layer, norm in report.norms.items():
         for k, value in enumerate(norm.kernel.bottom_eigenvalues):
-            spectrum.add_data(name, k + 1, float(value))
-    payload["dd/spectrum_bottom"] = spectrum
+            spectrum.add_data(layer, k + 1, float(value))
+    payload[named_key("dd/spectrum_bottom", name)] = spectrum
     if profile is not None:
         xs = list(range(len(profile.points)))
         ratios = [
             p.sigma_min_ratio if math.isfinite(p.sigma_min_ratio) else None for p in profile.points
         ]
-        payload["dd/sigma_min_profile"] = wandb.plot.line_series(
+        payload[named_key("dd/sigma_min_profile", name)] = wandb.plot.line_series(
             xs=xs,
             ys=[[r if r is not None else float("nan") for r in ratios], [1.0] * len(xs)],
             keys=["sigma_min_ratio", "floor (1.0)"],

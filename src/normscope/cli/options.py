@@ -139,3 +139,10 @@ def report_arguments(p: argparse.ArgumentParser) -> None:
         help="output folder (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print report.json to stdout, no table")
+    p.add_argument(
+        "--name",
+        default=None,
+        metavar="NAME",
+        help="report on the monitor named NAME (DeadDirectionMonitor(name=NAME): its dd[NAME]/ "
+        "keys); default: the unnamed monitor's dd/ keys (the names a run holds are listed)",
+    )

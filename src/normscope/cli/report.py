@@ -26,6 +26,7 @@ from typing import Any
 from normscope.alerts import KernelLossRule, SigmaMinRatioRule, SourceCollapseRule
 from normscope.cli import render, run_plots
 from normscope.cli.errors import CLIError
+from normscope.monitors.names import canonical_metrics, family_names
 
 __all__ = ["depth_order", "merge_reads", "reevaluate_alerts", "run"]
 
@@ -33,17 +34,26 @@ _NORM_MARK = "/gamma_alignment"
 _POINT_MARK = "/sigma_min_ratio"
 
 
-def merge_reads(history: Sequence[Mapping[str, float]]) -> dict[float, dict[str, float]]:
+def merge_reads(
+    history: Sequence[Mapping[str, float]], name: str | None = None
+) -> dict[float, dict[str, float]]:
     """The rows holding ``dd/`` keys (and the per-source ``dd.<source>/`` ones), merged by step
     (a logger may split one read across rows: W&B writes the monitor's scalars and its charts
-    as two)."""
+    as two). ``name``: the keys of the monitor of that name instead (``dd[name]/...``), renamed
+    to their ``dd/`` form."""
     reads: dict[float, dict[str, float]] = {}
-    ours = ("dd/", "dd.")
     for row in history:
-        if any(k.startswith(ours) for k in row):
-            step = float(row["step"])
-            reads.setdefault(step, {}).update({k: v for k, v in row.items() if k.startswith(ours)})
+        ours = {k: v for k, v in canonical_metrics(row, name).items() if k.startswith("dd")}
+        if ours:
+            reads.setdefault(float(row["step"]), {}).update(ours)
     return dict(sorted(reads.items()))
+
+
+def _alert_is_of(alert: Mapping[str, Any], name: str | None) -> bool:
+    """A logged alert record of the monitor ``name`` (titles ``normscope[name]: ...``; the
+    unnamed monitor's ``normscope: ...``)."""
+    title = str(alert.get("title", ""))
+    return title.startswith(f"normscope[{name}]:" if name else "normscope:")
 
 
 def _keyed(reads: Mapping[float, Mapping[str, float]], mark: str) -> list[str]:
@@ -225,20 +235,29 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(err)) from err
     except OSError as err:
         raise CLIError(f"{args.run_dir}: cannot read the run ({err})") from err
-    reads = merge_reads(log.history)
+    name = getattr(args, "name", None)
+    reads = merge_reads(log.history, name)
+    names = family_names({k for row in log.history for k in row})
     if not reads:
+        wanted = f"dd[{name}]/..." if name else "dd/..."
+        found = f"; it holds named monitors: {', '.join(names)} (pass --name NAME)" if names else ""
         raise CLIError(
-            f"{args.run_dir}: the {log.source} run holds no normscope metrics (no dd/... keys); "
-            "was DeadDirectionMonitor attached?"
+            f"{args.run_dir}: the {log.source} run holds no normscope metrics (no {wanted} "
+            f"keys){found or '; was DeadDirectionMonitor attached?'}"
         )
     norms = sorted(_keyed(reads, _NORM_MARK), key=_natural)
     points = depth_order(_keyed(reads, _POINT_MARK), reads)
     notes = []
-    alerts = [
-        {**a, "origin": "logged"}
-        for a in log.alerts
-        if str(a.get("title", "")).startswith("normscope")
-    ]
+    if name:
+        notes.append(f"monitor: DeadDirectionMonitor[{name}] (its dd[{name}]/ keys)")
+    others = [n for n in names if n != name]
+    if name and merge_reads(log.history):
+        others.append("the unnamed one (no --name)")
+    if others:
+        notes.append(
+            f"other monitors in this run: {', '.join(others)} (--name NAME reports on one)"
+        )
+    alerts = [{**a, "origin": "logged"} for a in log.alerts if _alert_is_of(a, name)]
     if log.source == "wandb":
         notes.append(f"alerts: the {len(alerts)} alert record(s) the run logged (run.alert)")
     else:
@@ -267,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "command": "report",
         "run": {"source": log.source, "path": str(log.path)},
+        "monitor": name,
+        "monitors": names,
         "reads": [
             dict(
                 zip(

@@ -35,6 +35,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from normscope.integrations.loop import LoopView
+from normscope.monitors.names import named_key
 
 __all__ = ["DeadDirectionCallback", "SignMagnitudeCallback"]
 
@@ -138,9 +139,10 @@ class _NormscopeCallback(TrainerCallback):
             logs = dict(self._sink.pending)
             self._sink.pending.clear()
             new = monitor.alerts_fired[fired:] if len(monitor.alerts_fired) > fired else []
-            logs[f"{self.family}/alerts_fired"] = float(len(new))
+            head = named_key(f"{self.family}/", getattr(monitor, "name", None))  # dd[name]/
+            logs[f"{head}alerts_fired"] = float(len(new))
             for alert in new:
-                logs[f"{self.family}/alert/{alert.rule}"] = 1.0
+                logs[f"{head}alert/{alert.rule}"] = 1.0
             self.history.append((state.global_step, logs))
             del self.history[: max(0, len(self.history) - monitor.keep_last)]
             if self.trainer is not None:
