@@ -60,6 +60,8 @@ from normscope.integrations import Watch  # noqa: E402
 RULES = {
     "v1": lambda: SigmaMinRatioRule(min_rows_per_dim=2),  # judged on raw ratios, see _v1_view
     "rows": lambda: SigmaMinRatioRule(),
+    "rows, floor 0.7": lambda: SigmaMinRatioRule(tolerance=0.3),
+    "rows, floor 0.6": lambda: SigmaMinRatioRule(tolerance=0.4),
     "rows, floor 0.5": lambda: SigmaMinRatioRule(tolerance=0.5),
 }
 

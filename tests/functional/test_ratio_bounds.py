@@ -132,3 +132,21 @@ def test_the_source_classification_decides_as_the_rule():
     healthy = {"sigma_min_ratio": 0.95, "sigma_min_step": 1.02}
     assert below_floor({**healthy, "n_rows": 800, "rows_per_dim": 50.0}, rule) is False
     assert below_floor({**healthy, "n_rows": 32, "rows_per_dim": 2.0}, rule) is None
+
+
+def test_a_collapse_needs_the_premise_to_fail_where_it_was_measured():
+    """step^2 >= 1 + margin on the same rows: a step of 0.5 where the margin is +0.1 is a
+    numerical contradiction (no alert, said so); where the margin is -0.9 it is an alert that
+    says the premise fails there."""
+    read = {
+        "dd/p1/sigma_min_step": 0.5,
+        "dd/p1/sigma_min_step_hi": 0.56,
+        "dd/p1/sigma_min_ratio": 1.5,
+        "dd/p1/sigma_min_ratio_hi": 1.6,
+        "dd/rows_per_dim": 50.0,
+    }
+    rule = SigmaMinRatioRule()
+    assert rule.evaluate({**read, "dd/p1/no_cancellation_margin": 0.1}, step=1) == []
+    assert rule.undecided == {"p1": "contradicts_margin"}
+    alerts = SigmaMinRatioRule().evaluate({**read, "dd/p1/no_cancellation_margin": -0.9}, 1)
+    assert [a.point for a in alerts] == ["p1"] and "premise fails there" in alerts[0].message
