@@ -15,7 +15,8 @@ is a false alarm.
 mlp(ln_2(x)) - s x P``, P a rank-8 projector) switched on at a random step in [10, 40], at
 strength ``s`` 0.5, 0.8 and 0.95, and a second kind, a *ramp*: ``s`` grows from 0 to 0.95 over
 40 steps (a branch that slowly learns to cancel). Reads every 5 steps at both row caps;
-detection delay = reads from the first read after the switch to the first alert at that block.
+detection delay = reads from the first read after the switch (for a ramp: the first read at
+``s >= 0.8``; an alert before that counts 0) to the first alert at the point after that block.
 
 Each read's ``dd/`` metrics are kept (JSONL, ``--out``) and the rules judged on the same reads:
 ``v1`` is version 1's rule (raw ratios under 0.8, reads from ``2 d`` rows), ``rows`` the rule
@@ -226,10 +227,16 @@ def judge(records: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 point = _block_point(reads[0]["metrics"], first["block"], first["layers"])
                 after = [(s, c, pts) for s, c, pts in fired_steps if s >= first["switch_at"]]
-                delay = None
-                for i, (_s, _c, pts) in enumerate(after):
+                # a ramp counts from its first read at strength >= 0.8 (an alert before: 0)
+                start = next(
+                    (i for i, (_s, c, _p) in enumerate(after) if c >= 0.8 - 1e-9), len(after)
+                )
+                if first["kind"] != "ramp":
+                    start = 0
+                delay = at_strength = None
+                for i, (_s, c, pts) in enumerate(after):
                     if point in pts:
-                        delay = i + 1
+                        delay, at_strength = max(i - start + 1, 0), c
                         break
                 early = sum(1 for s, _, pts in fired_steps if s < first["switch_at"] and pts)
                 collapse.append(
@@ -240,6 +247,7 @@ def judge(records: list[dict[str, Any]]) -> dict[str, Any]:
                         "norm": first["norm"],
                         "rows": rows,
                         "delay": delay,
+                        "at_strength": at_strength,
                         "early_alerts": early,
                     }
                 )
@@ -259,7 +267,7 @@ def sweep(quick: bool, rng: random.Random) -> list[Run]:
     steps = 30 if quick else 100
     healthy_sched = [(e, r) for e in ((1, 5) if quick else (1, 5, 50)) for r in (512, 4096)]
     runs = [
-        Run("healthy", w, n, s, steps=steps, layers=2 if quick else 4, schedules=healthy_sched)
+        Run("healthy", w, n, s, steps=steps, schedules=healthy_sched)
         for w in widths
         for n in ("layernorm", "rmsnorm")
         for s in seeds
@@ -281,9 +289,7 @@ def sweep(quick: bool, rng: random.Random) -> list[Run]:
                             strength=strength,
                             switch_at=switch,
                             steps=switch + length,
-                            layers=2 if quick else 4,
                             schedules=[(5, 512), (5, 4096)],
-                            cancel_block=1 if quick else 2,
                         )
                     )
     return runs
@@ -303,7 +309,9 @@ def detection_table(collapse: dict[str, list[dict[str, Any]]]) -> list[list[str]
             within2 = sum(1 for c in cs if c["delay"] is not None and c["delay"] <= 2)
             caught = [c["delay"] for c in cs if c["delay"] is not None]
             mean = f"{sum(caught) / len(caught):.1f}" if caught else "-"
-            cells.append(f"{within2}/{len(cs)} (mean delay {mean})")
+            at = [c["at_strength"] for c in cs if c["at_strength"] is not None]
+            extra = f", at s = {sum(at) / len(at):.2f}" if kind == "ramp" and at else ""
+            cells.append(f"{within2}/{len(cs)} (mean delay {mean}{extra})")
         rows.append(cells)
     return rows
 
@@ -313,11 +321,19 @@ def errors(quick: bool) -> list[list[str]]:
     data = torch.frombuffer(bytearray(stdlib_text(2_000_000)), dtype=torch.uint8)
     out = []
     for width in (32, 64) if quick else (64, 128, 256):
-        for norm in ("layernorm", "rmsnorm"):
+        for norm, stage in [(n, s) for n in ("layernorm", "rmsnorm") for s in ("init", "trained")]:
             torch.manual_seed(0)
             model = GPT(GPTConfig(n_layer=2 if quick else 4, n_embd=width, n_head=4, norm=norm))
-            model.eval()
             run = Run("healthy", width, norm, 0)
+            if stage == "trained":  # 100 steps (10 with --quick) of the sweep's training
+                opt = make_optimizer(model, lr=1e-3, weight_decay=0.1)
+                train = _batches(data, run, seed=0)
+                for _ in range(10 if quick else 100):
+                    x, y = next(train)
+                    model(x, y)[1].backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            model.eval()
             gen = _batches(data, run, seed=7)
             ref_batches = [next(gen)[0] for _ in range(8 if quick else 48)]
             with torch.no_grad(), warnings.catch_warnings():
@@ -327,7 +343,7 @@ def errors(quick: bool) -> list[list[str]]:
                     rows = per_dim * width
                     if rows > 2048:
                         continue
-                    covered = total = 0
+                    covered = below_hi = total = 0
                     worst = 0.0
                     for b in range(4):
                         m = scan_model(model, [ref_batches[b]], max_rows_per_batch=rows).as_dict()
@@ -339,12 +355,14 @@ def errors(quick: bool) -> list[list[str]]:
                                 lo, hi = ratio_bounds(v, rows, per_dim)
                                 total += 1
                                 covered += lo <= truth <= hi
+                                below_hi += truth <= hi
                                 worst = min(worst, math.log(v / truth))
                     out.append(
                         [
                             f"{width}",
-                            norm,
+                            f"{norm}, {stage}",
                             f"{per_dim}",
+                            f"{below_hi}/{total}",
                             f"{covered}/{total}",
                             f"{worst:+.3f}",
                         ]
@@ -358,24 +376,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--errors", action="store_true")
     p.add_argument("--out", default=None, help="JSONL of every read (default: none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--judge", default=None, help="judge the reads of an earlier --out JSONL")
+    p.add_argument("--judge", nargs="+", default=None, help="judge the reads of --out JSONLs")
+    p.add_argument("--only", choices=("healthy", "collapse"), default=None, help="one half")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     if args.errors:
         rows = errors(args.quick)
-        print("| width | norm | N/d | reference inside [lo, hi] | worst log(read/reference) |")
-        print("|---:|---|---:|---:|---:|")
+        print(
+            "| width | model | N/d | reference <= hi (no false alarm) | reference in [lo, hi] "
+            "| worst log(read/reference) |"
+        )
+        print("|---:|---|---:|---:|---:|---:|")
         for r in rows:
             print("| " + " | ".join(r) + " |")
         return {"errors": rows}
     started = time.perf_counter()
     if args.judge:
-        with open(args.judge) as fh:
-            records = [json.loads(line) for line in fh]
+        records = []
+        for path in args.judge:
+            with open(path) as fh:
+                records += [json.loads(line) for line in fh]
         n_runs = len({r["run"] for r in records})
     else:
         runs = sweep(args.quick, random.Random(args.seed))
+        if args.only:
+            runs = [r for r in runs if (r.kind == "healthy") == (args.only == "healthy")]
         n_runs = len(runs)
         data = torch.frombuffer(bytearray(stdlib_text(2_000_000)), dtype=torch.uint8)
         records = []

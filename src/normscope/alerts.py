@@ -433,7 +433,7 @@ class KernelLossRule:
 
 class OutlierRule:
     """An outlier feature emerging: a Linear layer's input ``max_leverage = n max alpha_j^2``
-    (METRICS §2.2) above ``max_leverage_above`` (delocalised inputs give 1; a flip in a channel of
+    (docs/metrics.md §2.2) above ``max_leverage_above`` (delocalised inputs give 1; a flip in a channel of
     leverage L costs about L times a delocalised one's). Fires once per layer until it falls back."""
 
     name = "outlier_feature"

@@ -41,7 +41,7 @@ def _slice_batch(batch: Any, n: int) -> Any:
 class SignMagnitudeMonitor(MonitorCallback):
     r"""Log the sign–magnitude geometry of a model's Linear layers while it trains: sign and
     ternary alignment, sign churn, outlier leverage, and probe-measured asymmetry and ternary
-    readiness (METRICS.md §2), under ``sm/<module path>/<metric>`` and ``sm/<metric>``.
+    readiness (docs/metrics.md §2), under ``sm/<module path>/<metric>`` and ``sm/<metric>``.
 
     Every ``every_n_steps`` optimiser steps (and at the first step): parameter reads on every
     monitored Linear, outlier reads from hooks on their inputs (folded during that step's

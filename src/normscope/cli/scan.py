@@ -5,7 +5,7 @@ plots.
 The engine is :func:`normscope.scan_model`. With ``--baseline random-init`` (the default) the
 twin -- the same architecture at random init, seeded -- is scanned first on the same batches,
 and its Schur quotients are the baseline of ``deepening = R_twin / R_checkpoint``
-(METRICS §1.3); its ``sigma_min`` profile is drawn beside the checkpoint's.
+(docs/metrics.md §1.3); its ``sigma_min`` profile is drawn beside the checkpoint's.
 """
 
 from __future__ import annotations
