@@ -197,6 +197,8 @@ class DeadDirectionMonitor(MonitorCallback):
         self.alerts_fired: list[Alert] = []
         self._baselines: dict[str, float] = {}
         self._rows: dict[str, int] = {}  # the rows each baseline was read on
+        self._discovering = False  # discovery's hooks watch this batch's training forward
+        self._discovery_step: int | None = None  # the step whose forward discovery watched
 
     # ------------------------------------------------------------ lifecycle
     def _check_setup(self, trainer: Trainer) -> None:
@@ -239,12 +241,15 @@ class DeadDirectionMonitor(MonitorCallback):
         tracker = self.tracker
         if tracker is None:
             return
-        if not tracker.attached:
-            self._attach(pl_module, batch)
-            if trainer.global_step == 0 and compiled(pl_module):
-                self._baseline_step = 1  # the first compiled forward must see the gate closed
+        if not tracker.attached and not self._discovering:
+            if tracker.residual and not self._separate_discovery(trainer, pl_module):
+                self._start_discovery(trainer)
+            else:
+                self._attach(pl_module, batch)
+                if trainer.global_step == 0 and compiled(pl_module):
+                    self._baseline_step = 1  # the first compiled forward must see the gate closed
         self._step_at_batch_start = trainer.global_step
-        if self._in_window(trainer.global_step):
+        if tracker.attached and self._in_window(trainer.global_step):
             tracker.snapshot_gammas()  # the gammas this window's forwards use
             tracker.gate.mask = batch_mask(batch)
             tracker.gate.sources = tracker.label(batch)
@@ -257,12 +262,18 @@ class DeadDirectionMonitor(MonitorCallback):
         tracker = self.tracker
         if tracker is None:
             return
+        if self._discovering:  # the forward discovery watched has run: decide, then tap
+            self._discovering = False
+            self._finish_discovery()
         tracker.gate.open = False
         tracker.gate.mask = None
         tracker.gate.sources = None
         completed = self._step_at_batch_start  # the optimiser step these micro-batches belong to
         if trainer.global_step == completed:
             return  # mid accumulation
+        if completed == self._discovery_step:
+            self._clock(plain=False)
+            return  # discovery's step: its forwards ran before the taps existed
         if not self._in_window(completed):
             self._clock(plain=True)
             return  # not a sampled step
@@ -303,7 +314,65 @@ class DeadDirectionMonitor(MonitorCallback):
         # Defer at most every_n_steps optimiser steps, then read whatever there is (NaN + reason).
         return have >= need or self._deferred >= self.every_n_steps
 
+    def _in_window(self, step: int) -> bool:
+        return step != self._discovery_step and super()._in_window(step)
+
+    def _separate_discovery(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+        """Whether the residual stream is found by a forward of the monitor's own (the old
+        way) rather than from the training step's forward: with ``example_forward``, on a
+        compiled model (dynamo must not trace discovery's hooks), and in the loops of
+        :mod:`normscope.integrations` (their batch is what the model takes)."""
+        return (
+            self.example_forward is not None
+            or compiled(pl_module)
+            or not isinstance(trainer, Trainer)
+        )
+
+    def _start_discovery(self, trainer: Trainer) -> None:
+        """Arm discovery's hooks for the forward ``training_step`` runs on this batch; the
+        points are decided at this batch's end (:meth:`_finish_discovery`). That step's
+        window is skipped (its forwards ran untapped), so the baseline read is the next
+        step's (step 1 on a fresh fit)."""
+        assert self.tracker is not None
+        try:
+            self.tracker.start_discovery()
+        except Exception as err:  # noqa: BLE001 - e.g. no block stack: keep the norm reads
+            self._profile_off(f"{type(err).__name__}: {err}")
+            return
+        self._discovering = True
+        self._discovery_step = trainer.global_step
+        if self._baseline_step == trainer.global_step:
+            self._baseline_step += 1
+
+    def _finish_discovery(self) -> None:
+        assert self.tracker is not None
+        try:
+            self.tracker.attach()
+        except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
+            self._profile_off(
+                f"the training forward did not show the stream ({type(err).__name__}: {err})"
+            )
+            return
+        self._after_attach()
+
+    def _profile_off(self, why: str) -> None:
+        """No residual profile: one warning saying why and what to pass; the norm reads go
+        on, and every read logs ``dd/profile_points`` = 0."""
+        assert self.tracker is not None
+        rank_zero_warn(
+            f"normscope: residual profile disabled (dd/profile_points = 0: no sigma_min profile, "
+            f"so the sigma_min collapse alert is off): {why}. Pass "
+            "example_forward=fn(pl_module, batch) running one forward through the transformer "
+            "blocks, or residual=False to silence this."
+        )
+        self.tracker.detach()
+        self.tracker.residual = False
+        self.tracker.layout = None
+        self.tracker.attach()
+        self._after_attach()
+
     def _attach(self, pl_module: LightningModule, batch: Any) -> None:
+        """Attach with a separate discovery forward of the monitor's own (eager, no grad)."""
         assert self.tracker is not None
         forward = self.example_forward or call_model
         if self.example_forward is None and isinstance(self.sources, str):
@@ -317,18 +386,24 @@ class DeadDirectionMonitor(MonitorCallback):
             with torch.no_grad(), eager_forwards():
                 self.tracker.attach(forward=lambda: forward(pl_module, batch))
         except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
-            rank_zero_warn(
-                f"normscope: residual profile disabled: the discovery forward failed "
-                f"({type(err).__name__}: {err}); pass example_forward=fn(pl_module, batch)"
-            )
-            self.tracker.residual = False
-            self.tracker.attach()
+            self._profile_off(f"the discovery forward failed ({type(err).__name__}: {err})")
+            return
+        self._after_attach()
+
+    def _after_attach(self) -> None:
+        """Say what the layout holds (notes as info, a block-boundary fallback as one
+        warning) and give the rules the points' sublayers."""
+        assert self.tracker is not None
         profile_subs = {}
-        if self.tracker.layout is not None:
-            profile_subs = {key_path(p.name): p.sublayer for p in self.tracker.layout.points}
-            for note in self.tracker.layout.notes:
-                rank_zero_info(f"normscope: {note}")
-            if self.tracker.layout.style == "post-norm" and self.sigma_rule in self.rules:
+        layout = self.tracker.layout
+        if layout is not None:
+            profile_subs = {key_path(p.name): p.sublayer for p in layout.points}
+            for note in layout.notes:
+                if note == layout.fallback:
+                    rank_zero_warn(f"normscope: {note}")
+                else:
+                    rank_zero_info(f"normscope: {note}")
+            if layout.style == "post-norm" and self.sigma_rule in self.rules:
                 # The no-cancellation bound is a pre-norm statement: on post-LN blocks the
                 # profile is logged, but a ratio below 1 is not an alert.
                 self.rules.remove(self.sigma_rule)
