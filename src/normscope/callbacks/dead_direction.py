@@ -199,6 +199,7 @@ class DeadDirectionMonitor(MonitorCallback):
         self._rows: dict[str, int] = {}  # the rows each baseline was read on
         self._discovering = False  # discovery's hooks watch this batch's training forward
         self._discovery_step: int | None = None  # the step whose forward discovery watched
+        self._late_window: int | None = None  # read in place of the discovery step's window
 
     # ------------------------------------------------------------ lifecycle
     def _check_setup(self, trainer: Trainer) -> None:
@@ -315,7 +316,9 @@ class DeadDirectionMonitor(MonitorCallback):
         return have >= need or self._deferred >= self.every_n_steps
 
     def _in_window(self, step: int) -> bool:
-        return step != self._discovery_step and super()._in_window(step)
+        if step == self._discovery_step:
+            return False
+        return step == self._late_window or super()._in_window(step)
 
     def _separate_discovery(self, trainer: Trainer, pl_module: LightningModule) -> bool:
         """Whether the residual stream is found by a forward of the monitor's own (the old
@@ -330,19 +333,21 @@ class DeadDirectionMonitor(MonitorCallback):
 
     def _start_discovery(self, trainer: Trainer) -> None:
         """Arm discovery's hooks for the forward ``training_step`` runs on this batch; the
-        points are decided at this batch's end (:meth:`_finish_discovery`). That step's
-        window is skipped (its forwards ran untapped), so the baseline read is the next
-        step's (step 1 on a fresh fit)."""
+        points are decided at this batch's end (:meth:`_finish_discovery`). That step is
+        never read (its forwards ran untapped); when it was a sampled step, the next step is
+        read in its place: on a fresh fit the baseline window is step 1, not 0, and a fit
+        resumed at a sampled step reads the step after it."""
         assert self.tracker is not None
         try:
             self.tracker.start_discovery()
         except Exception as err:  # noqa: BLE001 - e.g. no block stack: keep the norm reads
             self._profile_off(f"{type(err).__name__}: {err}")
             return
+        step = trainer.global_step
+        if self._in_window(step):
+            self._late_window = step + 1
         self._discovering = True
-        self._discovery_step = trainer.global_step
-        if self._baseline_step == trainer.global_step:
-            self._baseline_step += 1
+        self._discovery_step = step
 
     def _finish_discovery(self) -> None:
         assert self.tracker is not None
