@@ -322,14 +322,11 @@ class DeadDirectionMonitor(MonitorCallback):
 
     def _separate_discovery(self, trainer: Trainer, pl_module: LightningModule) -> bool:
         """Whether the residual stream is found by a forward of the monitor's own (the old
-        way) rather than from the training step's forward: with ``example_forward``, on a
-        compiled model (dynamo must not trace discovery's hooks), and in the loops of
-        :mod:`normscope.integrations` (their batch is what the model takes)."""
-        return (
-            self.example_forward is not None
-            or compiled(pl_module)
-            or not isinstance(trainer, Trainer)
-        )
+        way) rather than from the training step's forward: with ``example_forward``, and on a
+        compiled model (dynamo must not trace discovery's hooks). Every loop of
+        :mod:`normscope.integrations` calls the hooks around its training forwards, so it
+        discovers from them as Lightning does: one engine, the same steps."""
+        return self.example_forward is not None or compiled(pl_module)
 
     def _start_discovery(self, trainer: Trainer) -> None:
         """Arm discovery's hooks for the forward ``training_step`` runs on this batch; the
