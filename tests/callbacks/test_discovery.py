@@ -331,3 +331,35 @@ def test_residual_discovery_object_watches_a_forward_it_did_not_run():
     assert not discovery.installed
     assert layout.points == layout_eval.points and layout.style == "pre-norm"
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
+def test_a_training_forward_with_dropout_finds_the_eval_mode_points(arch):
+    """Dropout 0.1 everywhere it is configurable, the model in training mode, a backward after
+    the forward: the same points as the eval-mode discovery forward (dropout modules sit
+    inside the branches, so ``x + f`` stays exact)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    config = {
+        "gpt2": lambda: transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=0, eos_token_id=0,
+            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+        ),
+        "llama": lambda: transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_key_value_heads=4, attention_dropout=0.1,
+            **small,
+        ),
+        "bert": lambda: transformers.BertConfig(
+            hidden_size=32, intermediate_size=64, hidden_dropout_prob=0.1, **small
+        ),
+    }[arch]()  # fmt: skip
+    model = transformers.AutoModel.from_config(config)
+    ids = torch.randint(0, 64, (4, 16))
+    eval_layout = find_residual_points(model, lambda: model(input_ids=ids))
+    model.train()
+    discovery = ResidualDiscovery(model).install()
+    model(input_ids=ids)[0].sum().backward()
+    layout = discovery.finish()
+    assert layout.points == eval_layout.points and layout.style == eval_layout.style
+    assert layout.fallback is None

@@ -49,7 +49,8 @@ class DeadDirectionMonitor(MonitorCallback):
     r"""Log the dead-direction geometry of every norm layer and the residual stream's
     ``sigma_min`` depth profile while a model trains, and alert when the stream collapses.
 
-    Every ``every_n_steps`` optimiser steps (and once at the first step, the baseline), the
+    Every ``every_n_steps`` optimiser steps (and once at the first step, the baseline: step 1,
+    since step 0's training forward is the one residual discovery watches), the
     hooks fold the rows of that step's training forwards (all gradient-accumulation
     micro-batches) into float64 accumulators; at the end of the step the monitor reduces them
     across processes, runs the reads of METRICS.md §1 and logs them to every logger and to
@@ -61,8 +62,11 @@ class DeadDirectionMonitor(MonitorCallback):
         every_n_steps: optimiser steps between reads (>= 1).
         layers: ``"auto"`` (every norm layer) or a list of norm module paths (as
             ``pl_module.named_modules()`` names them).
-        residual: track the residual stream's ``sigma_min`` profile. Finding the stream costs one
-            extra no-grad forward on the first training batch (``example_forward``).
+        residual: track the residual stream's ``sigma_min`` profile. The stream is found from
+            the first training batch's own forward (``training_step``'s, whatever it calls;
+            docs/monitors.md, "Finding the residual stream"); that step is not read. When no
+            stream is found, one warning says why, and ``dd/profile_points`` reads 0;
+            ``residual=False`` silences it.
         max_rows_per_step: rows kept per tapped tensor per forward (seeded uniform subsample).
         alert_below: the ``sigma_min`` ratio floor of the theory (1.0).
         tolerance: how far below ``alert_below`` a ratio may dip before it counts (default 0.2,
@@ -81,8 +85,10 @@ class DeadDirectionMonitor(MonitorCallback):
         max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor); over it, norm
             layers are taken at a stride over depth (the final norm always kept) and a warning
             says which were left out.
-        example_forward: ``fn(pl_module, batch)`` running one forward, for residual discovery;
-            default: a dict batch as keyword arguments, a tuple batch by its first element.
+        example_forward: ``fn(pl_module, batch)`` running one forward: residual discovery then
+            runs it separately (eager, no grad, eval mode) on the first batch, and step 0 is
+            read. A compiled model always gets such a forward; its default: a dict batch as
+            keyword arguments, a tuple batch by its first element.
         verbose: print one line per read and a summary at the end of the fit (rank zero).
         seed: seed of the row subsampling.
         overhead_warn: warn once when a read costs more than this fraction of training time

@@ -174,8 +174,9 @@ class DeadDirectionTracker:
     Args:
         model: the model (any ``nn.Module``).
         layers: ``"auto"`` (every norm layer found) or a list of norm module paths.
-        residual: also track the residual stream's ``sigma_min`` depth profile (needs one
-            discovery forward, see :meth:`attach`).
+        residual: also track the residual stream's ``sigma_min`` depth profile (found from
+            one forward: the ``forward`` of :meth:`attach`, or the caller's own after
+            :meth:`start_discovery`).
         max_rows_per_step: rows kept per tapped tensor per forward (seeded uniform subsample).
         max_memory: byte budget for every accumulator (``8 d^2`` per tapped tensor: a norm's
             input and output, each residual point; a point that is a norm's input is shared).
