@@ -249,7 +249,7 @@ def test_scaled_branches_are_found_sublayer_by_sublayer(tmp_path, scale):
     assert math.isfinite(float(row["dd/sigma_min_ratio_min"]))
 
 
-@pytest.mark.parametrize("scale", ["learned", "layerscale"])
+@pytest.mark.parametrize("scale", ["alpha", "learned", "layerscale", "mup"])
 def test_scaled_branch_models_alert_on_a_cancelling_branch(tmp_path, scale):
     torch.manual_seed(0)
     alerts = []
