@@ -702,7 +702,7 @@ def _notes(
         notes.append(_POST_NORM_NOTE)
     if len(set(styles)) > 1:
         notes.append("blocks differ in style: " + ", ".join(map(": ".join, zip(blocks, styles))))
-    if "parallel" in styles:
+    if "parallel" in styles and not fallback:
         notes.append(
             "parallel residual: attention and MLP read the same stream tensor and are added "
             "together, so each block is one step, labelled 'block'"
