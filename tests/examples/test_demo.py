@@ -20,13 +20,15 @@ def test_demo_trains_and_raises_no_alert(tmp_path, norm):
     monitor = demo.main(
         ["--steps", "100", "--every", "25", "--norm", norm, "--out", str(tmp_path), "--no-wandb"]
     )
-    assert monitor.reads == 5  # steps 1, 25, 50, 75, 100
+    # steps 2 (the baseline window is step 1: step 0's forward is residual discovery's), 25,
+    # 50, 75, 100
+    assert monitor.reads == 5
     assert monitor.alerts_fired == []
     report = monitor.last_report
     assert report.profile.sigma_min_ratio_min > 1.0
     final = report.norms["model.transformer.ln_f"]
     reads = logged_reads(tmp_path)
-    assert [int(r["step"]) for r in reads] == [1, 25, 50, 75, 100]
+    assert [int(r["step"]) for r in reads] == [2, 25, 50, 75, 100]
     deep = [f"h.{b}.ln_{i}" for b in (2, 3) for i in (1, 2)] + ["ln_f"]
     if norm == "layernorm":
         assert final.kernel.gamma_alignment >= 0.9999

@@ -16,7 +16,9 @@ torch.set_num_threads(1)
 
 def test_source_only_collapse_is_distribution_dependent():
     monitor = sources.main(["--mode", "source", "--quiet"])
-    assert monitor.reads == 4  # steps 1, 10, 20, 30; the cancel starts at step 20
+    # steps 2 (baseline window 1: step 0's forward is residual discovery's), 10, 20, 30; the
+    # cancel starts at step 20
+    assert monitor.reads == 4
     m = monitor.last_report.as_dict()
     point = "model.h.2.ln_1"  # after block 1's MLP
     assert m[f"dd.code/{point}/sigma_min_step"] < 0.2  # measured 0.06

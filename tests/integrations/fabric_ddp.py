@@ -21,7 +21,7 @@ from tests.integrations.loops import MONITOR_ARGS, Samples, gpt2
 
 WORLD = 2
 ACCUMULATE = 2
-STEPS = 3  # reads after steps 1 and 2 (every_n_steps=2)
+STEPS = 4  # reads after steps 2 and 4 (every_n_steps=2; step 0 is residual discovery's)
 
 
 def micro_batches(rank: int) -> list[dict[str, torch.Tensor]]:

@@ -27,8 +27,11 @@ import transformers  # noqa: E402
 VOCAB, SEQ, BATCH, WIDTH = 64, 18, 8, 32  # 136 real rows a step: N/d = 4.25, enough to decide
 LR = 0.05
 STEPS = 5
-EVERY = 2  # reads after steps 1 (the baseline window), 2 and 4
-READ_STEPS = [1, 2, 4]
+EVERY = 2
+# the optimiser steps each family logs a read at: sign-magnitude after steps 1 (the baseline
+# window is step 0), 2 and 4; dead-direction after 2 and 4 (its residual discovery watches
+# step 0's training forward, so its baseline window is step 1)
+READ_STEPS = {"dd": [2, 4], "sm": [1, 2, 4]}
 CANCEL_LAYER, CANCEL_STRENGTH = 1, 0.95
 MONITOR_ARGS: dict[str, Any] = dict(
     every_n_steps=EVERY, max_rows_per_step=None, alerts=(), overhead_warn=None, verbose=False

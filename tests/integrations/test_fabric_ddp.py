@@ -50,14 +50,15 @@ def ddp_run(tmp_path_factory):
 
 def test_fabric_ddp_reads_cover_both_ranks_rows(ddp_run):
     """Both ranks: the same reads (reduced), the optimiser steps counted through gradient
-    accumulation (3 steps of 2 micro-batches: global_step 3, reads after steps 1 and 2), and
+    accumulation (4 steps of 2 micro-batches: global_step 4, reads after steps 2 and 4: step 0
+    is residual discovery's), and
     equal, to rel 1e-10 (only the order of the float64 sums differs), to one process's scan of
     every micro-batch of both ranks with the same weights (learning rate 0)."""
     out, ranks = ddp_run
     for r in ranks:
         assert not r["disabled"], r["failure"]
         assert r["global_step"] == fabric_ddp.STEPS and r["reads"] == 2
-        assert r["alerts"] == [1]  # the cancelling branch, on both ranks at the same step
+        assert r["alerts"] == [2]  # the cancelling branch, on both ranks at the same step
     got = [{k: float(v) for k, v in r["last"].items()} for r in ranks]
     assert got[0].keys() == got[1].keys()
     for key in got[0]:
@@ -77,5 +78,5 @@ def test_fabric_ddp_reads_cover_both_ranks_rows(ddp_run):
             assert got[0][key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
     logged = read_csv_run(out / "fabric_ddp")  # rank 0's Fabric logger
     steps, ratio = logged.series("dd/sigma_min_ratio_min")
-    assert steps.tolist() == [1.0, 2.0]
+    assert steps.tolist() == [2.0, 4.0]
     assert ratio[-1] == got[0]["dd/sigma_min_ratio_min"]

@@ -22,10 +22,13 @@ def test_stop_on_alert_reaches_the_loop():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     tracker = DeadDirectionTracker(model)
     batch = next(iter(loops.loader()))
-    with tracker.step(batch, every_n_steps=2, stop_on_alert=True, alerts=()) as read:
+    with tracker.step(batch, every_n_steps=2, stop_on_alert=True, alerts=()) as first:
+        _step(model, optimizer, batch)  # residual discovery watches this step's forward
+    assert first.report is None and not first.should_stop
+    with tracker.step(batch) as read:  # the baseline window
         _step(model, optimizer, batch)
     assert read.should_stop and [a.rule for a in read.alerts] == ["sigma_min_collapse"]
-    assert read.report.step == 1 and read.report.sigma_min_ratio_min < 0.2
+    assert read.report.step == 2 and read.report.sigma_min_ratio_min < 0.2
 
 
 def test_a_failing_read_disables_the_monitor_not_the_loop(monkeypatch):
@@ -33,9 +36,12 @@ def test_a_failing_read_disables_the_monitor_not_the_loop(monkeypatch):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     watch = Watch(DeadDirectionMonitor(every_n_steps=1, verbose=False, alerts=()), model)
     batch = next(iter(loops.loader()))
+    with watch.step(batch) as discovery:  # residual discovery watches this forward
+        _step(model, optimizer, batch)
+    assert discovery.report is None and ours(model) > 0  # the taps, from the step's end
     with watch.step(batch) as first:
         _step(model, optimizer, batch)
-    assert first.report is not None and ours(model) > 0
+    assert first.report is not None
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
@@ -47,7 +53,7 @@ def test_a_failing_read_disables_the_monitor_not_the_loop(monkeypatch):
     assert second.report is None and watch.monitor.disabled
     with watch.step(batch) as third:  # the loop goes on; nothing more is read
         _step(model, optimizer, batch)
-    assert third.report is None and watch.global_step == 3
+    assert third.report is None and watch.global_step == 4
     assert ours(model) == 0  # its hooks are gone
 
 
@@ -75,8 +81,9 @@ def test_misuse_is_a_clear_error():
 @pytest.mark.filterwarnings("ignore")
 def test_hf_stop_on_alert_stops_the_trainer(tmp_path):
     _, (trainer, callback) = loops.run_hf(tmp_path, report_to="none", stop_on_alert=True)
-    assert [a.step for a in callback.alerts_fired] == [1]
-    assert trainer.state.global_step == 1  # max_steps was 5
+    # the first read (baseline window 1: step 0's forward is discovery's) alerts and stops
+    assert [a.step for a in callback.alerts_fired] == [2]
+    assert trainer.state.global_step == 2  # max_steps was 5
 
 
 @pytest.mark.filterwarnings("ignore")

@@ -71,7 +71,7 @@ def test_summary_of_the_ratio_minimum_is_the_runs_minimum(wandb_run):
     tmp, monitor, _ = wandb_run
     run = read_wandb_run(tmp)
     steps, ratios = run.series("dd/sigma_min_ratio_min")
-    assert len(steps) == monitor.reads == 12
+    assert len(steps) == monitor.reads == 11  # every step but 0, residual discovery's
     assert ratios.min() < 0.8 < ratios[-1]  # the dip, and the recovery after it
     # W&B keeps a defined summary as {"min": value}
     assert run.summary["dd/sigma_min_ratio_min"] == {"min": ratios.min()}
@@ -81,7 +81,7 @@ def test_summary_of_the_ratio_minimum_is_the_runs_minimum(wandb_run):
 
 def test_charts_come_at_their_cadence(wandb_run):
     """``charts_every_n_reads=4``: the profile chart and the spectrum table at reads 1, 5 and 9
-    (steps 1, 5, 9), not at all 12 reads."""
+    (steps 2, 6, 10: step 0's forward is residual discovery's), not at all 11 reads."""
     tmp, _, _ = wandb_run
     chart_steps = []
     for record in wandb_records(read_wandb_run(tmp).path):
@@ -91,7 +91,7 @@ def test_charts_come_at_their_cadence(wandb_run):
         if any(k.startswith("dd/spectrum_bottom/") for k in items):
             assert any(k.startswith("dd/sigma_min_profile") for k in items)
             chart_steps.append(json.loads(items["trainer/global_step"]))
-    assert chart_steps == [1, 5, 9]
+    assert chart_steps == [2, 6, 10]
 
 
 def test_log_per_layer_keeps_run_level_keys_and_the_worst_layers(wandb_run):
@@ -129,8 +129,9 @@ def test_log_per_layer_on_32_layers():
     logged = {}
     tracker = DeadDirectionTracker(model)
     x = torch.randint(0, 32, (4, 12))
-    with tracker.step(x, every_n_steps=1, log_per_layer=3, log=logged.update, alerts=()):
-        model(x).sum().backward()
+    for _ in range(2):  # step 0's forward is residual discovery's; step 1 is read
+        with tracker.step(x, every_n_steps=1, log_per_layer=3, log=logged.update, alerts=()):
+            model(x).sum().backward()
     full = tracker._normscope_watch.monitor.last_report.as_dict()
     assert len(full) > 1200
     run_level = {k for k in full if k.count("/") == 1}
@@ -167,16 +168,19 @@ def test_plain_loop_with_wandb_log_summarises_the_minimum(tmp_path, monkeypatch)
     x = torch.randint(0, 32, (8, 16))
     run = wandb.init(project="normscope-test", dir=str(tmp_path))
     ratios = []
-    for step in range(4):
-        if step == 1:
-            model.set_cancel(1, 0.95)  # the dip: read after step 2
-        elif step == 2:
+    for step in range(5):
+        if step == 2:
+            model.set_cancel(1, 0.95)  # the dip: read after step 3
+        elif step == 3:
             model.h[1].cancel = 0.0
         with tracker.step(x, every_n_steps=1, log=wandb.log, alerts=()) as read:
             model(x).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
-        ratios.append(read.report.sigma_min_ratio_min)
+        if step == 0:
+            assert read.report is None  # residual discovery watched this step's forward
+        else:
+            ratios.append(read.report.sigma_min_ratio_min)
     run.finish()
     wait_for_summary(tmp_path)
     logged = read_wandb_run(tmp_path)

@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
+from normscope.monitors.scan import call_model
 from tests.reliability.models import (
     DictLM,
     FeatureLM,
@@ -49,7 +50,8 @@ def test_nan_and_inf_rows_are_dropped_counted_and_the_rest_read_exactly(tmp_path
     assert normscope_failures(records) == []
     rows = read_csv(trainer)
     reads = rows_with(rows, "dd/rows_rejected")
-    assert [int(r["step"]) for r in reads] == [1, 3, 6]  # windows: steps 0, 2 and 5
+    # windows: steps 1 (the baseline: step 0's forward is residual discovery's), 2 and 5
+    assert [int(r["step"]) for r in reads] == [2, 3, 6]
     taps = len(monitor.tracker.taps)
     assert [float(r["dd/rows_rejected"]) for r in reads] == [0.0, 48.0 * taps, 0.0]
     assert [float(r["dd/model.ln_f/n_rows"]) for r in reads] == [256.0, 208.0, 256.0]
@@ -65,20 +67,21 @@ def test_nan_and_inf_rows_are_dropped_counted_and_the_rest_read_exactly(tmp_path
 
 
 def test_padding_only_batches_add_no_rows_and_a_padding_only_window_waits(tmp_path):
-    """Micro-batch 0 is all padding: the first read has only micro-batch 1's 256 rows. The
+    """Micro-batch 2 (the first of step 1, the baseline window: step 0's forwards are residual
+    discovery's) is all padding: the first read has only micro-batch 3's 256 rows. The
     window of step 3 is all padding: no read of zero rows, the window stays open one more step
     and reads step 4's rows instead. Padding is never counted as rejected."""
     torch.manual_seed(0)
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
-    loader = padded_dict_loader(padding_only_batches=[0, 6, 7])
+    loader = padded_dict_loader(padding_only_batches=[2, 6, 7])
     with recorded_warnings() as records:
         trainer = fit(
             tmp_path, DictLM(), [monitor], steps=6, loader=loader, accumulate_grad_batches=2
         )
     assert normscope_failures(records) == []
     reads = rows_with(read_csv(trainer), "dd/rows_rejected")
-    assert [int(r["step"]) for r in reads] == [1, 2, 5, 6]
-    assert [float(r["dd/model.ln_f/n_rows"]) for r in reads] == [256.0, 512.0, 512.0, 512.0]
+    assert [int(r["step"]) for r in reads] == [2, 5, 6]
+    assert [float(r["dd/model.ln_f/n_rows"]) for r in reads] == [256.0, 512.0, 512.0]
     assert {float(r["dd/rows_rejected"]) for r in reads} == {0.0}
     assert all(float(r["dd/model.ln_f/gamma_alignment"]) >= 0.9999 for r in reads)
     losses = [float(r["train/loss"]) for r in rows_with(read_csv(trainer), "train/loss")]
@@ -97,7 +100,8 @@ def test_many_steps_with_fewer_rows_than_d_read_nan_with_a_reason_and_never_aler
     assert normscope_failures(records) == []
     assert trainer.global_step == 12
     reads = rows_with(read_csv(trainer), "dd/model.ln_f/n_rows")
-    assert [int(r["step"]) for r in reads] == [3, 6, 10]
+    # windows 1-3 (step 0's forward is residual discovery's), 5-7, 9-11, deferred in full
+    assert [int(r["step"]) for r in reads] == [4, 8, 12]
     for r in reads:
         assert float(r["dd/model.ln_f/n_rows"]) == 24.0
         for key in ("model.ln_f/gamma_alignment", "model.h.0.ln_1/schur_quotient",
@@ -120,7 +124,10 @@ def test_zero_and_negative_gammas_are_read_for_what_they_are(tmp_path):
         module.model.ln_f.weight[:3] = 0.0
         module.model.h[0].ln_1.weight[::2] *= -1.5
     caught = []
-    monitor = DeadDirectionMonitor(every_n_steps=100, alerts=(caught.append,), verbose=False)
+    # a separate discovery forward keeps step 0's window (the gammas as set, before an update)
+    monitor = DeadDirectionMonitor(
+        every_n_steps=100, alerts=(caught.append,), verbose=False, example_forward=call_model
+    )
     fit(tmp_path, module, [monitor], steps=1)
     report = monitor.last_report
     final, first = report.norms["model.ln_f"], report.norms["model.h.0.ln_1"]
@@ -144,7 +151,10 @@ def test_a_diverged_run_with_nan_gammas_keeps_the_monitor_quiet_and_alive(tmp_pa
     with torch.no_grad():
         module.model.ln_f.weight[5] = math.nan
     caught = []
-    monitor = DeadDirectionMonitor(every_n_steps=2, alerts=(caught.append,), verbose=False)
+    # a separate discovery forward keeps step 0 (finite weights but ln_f) in the first window
+    monitor = DeadDirectionMonitor(
+        every_n_steps=2, alerts=(caught.append,), verbose=False, example_forward=call_model
+    )
     with recorded_warnings() as records:
         trainer = fit(tmp_path, module, [monitor], steps=8)
     assert normscope_failures(records) == []
@@ -221,8 +231,9 @@ def test_huge_activations_read_like_a_float64_numpy_reference(tmp_path, scale, o
                 gammas.setdefault(name, mod.weight.detach().double().numpy().copy())
 
         handles.append(norm.register_forward_hook(capture))
-    monitor = DeadDirectionMonitor(every_n_steps=100, verbose=False)
-    fit(tmp_path, module, [monitor], steps=1)  # one window: step 0's forward, read at step 1
+    # a separate discovery forward: one window, step 0's forward, read at step 1
+    monitor = DeadDirectionMonitor(every_n_steps=100, verbose=False, example_forward=call_model)
+    fit(tmp_path, module, [monitor], steps=1)
     for h in handles:
         h.remove()
     report = monitor.last_report

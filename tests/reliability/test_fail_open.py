@@ -84,10 +84,11 @@ def test_failing_sink_and_rule_cost_only_themselves(tmp_path):
     assert sum("sink" in f and "pager" in f and "unreachable" in f for f in failures) == 1
     assert sum("rule 'broken'" in f and "KeyError" in f for f in failures) == 1
     assert len(pager_calls) == 1  # removed after its first failure
-    assert [a.step for a in delivered] == [1, 2, 4, 6]  # every read's heartbeat, still delivered
-    assert not monitor.disabled and monitor.reads == 4
+    # every read's heartbeat, still delivered (baseline window 1: step 0 is discovery's)
+    assert [a.step for a in delivered] == [2, 4, 6]
+    assert not monitor.disabled and monitor.reads == 3
     state = assert_run_intact(trainer, tmp_path, monitor)
-    assert len(state["alerts_fired"]) == 4
+    assert len(state["alerts_fired"]) == 3
 
 
 @pytest.mark.parametrize("family", ["dd", "sm"])
@@ -111,12 +112,14 @@ def test_failing_logger_is_skipped_for_normscope_metrics_only(tmp_path, family):
     assert len(failures) == 1 and "DDFailingCSVLogger" in failures[0], failures
     assert "backend refused" in failures[0]
     assert bad.refused == 1  # never asked again
-    assert not monitor.disabled and monitor.reads == 4
+    # dd finds the stream from step 0's training forward: its baseline window is step 1
+    steps = [2, 4, 6] if family == "dd" else [1, 2, 4, 6]
+    assert not monitor.disabled and monitor.reads == len(steps)
     bad_rows = read_csv(trainer)  # trainer.logger is the first one: the failing logger
     assert not any(k.startswith(f"{family}/") for k in bad_rows[0])
     good_rows = read_csv(L.Trainer(logger=good, accelerator="cpu"))
     key = f"{family}/sigma_min_ratio_min" if family == "dd" else "sm/sign_alignment_mean"
-    assert logged_steps(good_rows, key) == [1, 2, 4, 6]
+    assert logged_steps(good_rows, key) == steps
     assert key in trainer.callback_metrics
     assert_run_intact(trainer, tmp_path, monitor)
 
@@ -145,10 +148,11 @@ def test_failing_read_of_one_layer_disables_that_layer_only(tmp_path):
     for metric in ("gamma_alignment", "kernel_residual", "schur_quotient", "gamma_min"):
         assert f"dd/model.h.0.ln_2/{metric}" not in rows[0], metric
     # its input is still a residual point: the profile, a separate read, goes on there
-    assert logged_steps(rows, "dd/model.h.0.ln_2/sigma_min") == [1, 2, 4]
+    # (reads after windows 1 and 3: step 0's forward is residual discovery's)
+    assert logged_steps(rows, "dd/model.h.0.ln_2/sigma_min") == [2, 4]
     for layer in ("model.h.0.ln_1", "model.h.1.ln_2", "model.ln_f"):
-        assert logged_steps(rows, f"dd/{layer}/gamma_alignment") == [1, 2, 4]
-    assert [float(r["dd/reads_disabled"]) for r in rows if r.get("dd/reads_disabled")] == [1.0] * 3
+        assert logged_steps(rows, f"dd/{layer}/gamma_alignment") == [2, 4]
+    assert [float(r["dd/reads_disabled"]) for r in rows if r.get("dd/reads_disabled")] == [1.0] * 2
     assert not monitor.disabled
     assert_loss_logged_every_step(trainer)
 
@@ -196,12 +200,13 @@ def test_a_layer_whose_width_changes_disables_that_layer_only(tmp_path):
     assert len(failures) == 1, failures
     assert "'model.ln_f'" in failures[0] and "width 16" in failures[0]
     rows = read_csv(trainer)
-    assert logged_steps(rows, "dd/model.h.1.ln_2/gamma_alignment") == [1, 2, 4, 6, 8]
-    assert logged_steps(rows, "dd/model.ln_f/gamma_alignment") == [1, 2]  # before the change
+    # windows 1, 3, 5, 7 (step 0's forward is residual discovery's)
+    assert logged_steps(rows, "dd/model.h.1.ln_2/gamma_alignment") == [2, 4, 6, 8]
+    assert logged_steps(rows, "dd/model.ln_f/gamma_alignment") == [2]  # before the change
     disabled = {
         int(r["step"]): float(r["dd/reads_disabled"]) for r in rows if r.get("dd/reads_disabled")
     }
-    assert disabled == {1: 0.0, 2: 0.0, 4: 1.0, 6: 1.0, 8: 1.0}
+    assert disabled == {2: 0.0, 4: 1.0, 6: 1.0, 8: 1.0}
     assert "disabled after a failure: model.ln_f" in format_read_line(monitor.last_report)
     assert not monitor.disabled
     assert_run_intact(trainer, tmp_path, monitor)
@@ -287,7 +292,7 @@ def test_failing_state_dict_keeps_the_checkpoint(tmp_path):
         )  # fmt: skip
     failures = normscope_failures(records)
     assert len(failures) == 1 and "state_dict failed" in failures[0], failures
-    assert not monitor.disabled and monitor.reads == 3
+    assert not monitor.disabled and monitor.reads == 2  # windows 1 and 3
     assert trainer.global_step == 4
     for step in (2, 4):
         ckpt = torch.load(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt", weights_only=True)

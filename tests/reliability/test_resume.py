@@ -85,10 +85,13 @@ def test_dead_direction_monitor_resumes_a_run_killed_mid_window(tmp_path, ckpt):
     assert trainer.global_step == STEPS
     killed_rows = read_csv_at(tmp_path / "killed" / "version_0")
     rows = read_csv(trainer)
-    # killed run: reads 1, 2; resumed: 4, 6 -- forward only, nothing logged twice
-    assert logged_steps(killed_rows, "dd/sigma_min_ratio_min") == [1, 2]
+    # killed run: read 2 (the baseline window is step 1: step 0's forward is residual
+    # discovery's); resumed: discovery again on its first batch, so a resume at step 3 (a
+    # sampled step) reads step 4 in its place (logged 5), one at step 2 reads step 3 (logged
+    # 4); then 6 -- forward only, nothing logged twice
+    assert logged_steps(killed_rows, "dd/sigma_min_ratio_min") == [2]
     steps = logged_steps(rows, "dd/sigma_min_ratio_min")
-    assert steps == [4, 6]
+    assert steps == ([5, 6] if ckpt == "exception" else [4, 6])
     assert logged_steps(rows, "train/loss") == list(range(start, STEPS))
     state = saved["callbacks"][second.state_key]
     assert second.reads == state["reads"] + len(steps)
@@ -104,10 +107,11 @@ def test_dead_direction_monitor_resumes_a_run_killed_mid_window(tmp_path, ckpt):
                 assert deepening == pytest.approx(r_base / r_now, rel=1e-12)
             else:  # the partial window after the restart: another row count, no Delta_gamma
                 assert math.isnan(deepening)
-    # the killed window's rows were not saved (8 d^2 bytes a tap): the resumed step 3 reads only
-    # the micro-batches run after the restart (Lightning resumes at micro-batch KILL_AT).
+    # the killed window's rows were not saved (8 d^2 bytes a tap); the resumed step 3's
+    # micro-batches (Lightning resumes at micro-batch KILL_AT) are discovery's, and the whole
+    # of step 4 is read in its place
     n_rows = [float(r["dd/model.ln_f/n_rows"]) for r in rows_with(rows, "dd/model.ln_f/n_rows")]
-    assert n_rows[0] == (512.0 if ckpt == "exception" else 768.0)
+    assert n_rows[0] == 768.0
     reads = rows_with(rows, "dd/sigma_min_ratio_min")
     assert all(math.isfinite(float(r["dd/sigma_min_ratio_min"])) for r in reads)
 
@@ -139,7 +143,8 @@ def test_sign_magnitude_monitor_resumes_a_run_killed_mid_window(tmp_path):
 
 def test_resume_from_a_checkpoint_inside_a_deferred_window(tmp_path):
     """8 rows a step (< 2 d): windows stay open over several steps. A checkpoint saved inside
-    one (step 1) and a kill at step 4: the resumed run opens its next window afresh, reads
+    one (after step 1: the window opened there, step 0 being residual discovery's) and a kill
+    at step 6, inside the window opened at step 5: the resumed run opens its next window afresh, reads
     forward only, NaN with a reason, and never alerts."""
     torch.manual_seed(0)
     loader = token_loader(n=64, t=8, batch_size=1)
@@ -148,17 +153,17 @@ def test_resume_from_a_checkpoint_inside_a_deferred_window(tmp_path):
     ckpts = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
     with pytest.raises(Killed):
         fit(
-            tmp_path, LitTiny(), [first, Killer(4), ckpts], steps=8, loader=loader,
+            tmp_path, LitTiny(), [first, Killer(6), ckpts], steps=8, loader=loader,
             name="killed", enable_checkpointing=True,
         )  # fmt: skip
-    assert first._deferred == 1 and first.reads == 1  # killed inside the window opened at step 3
+    assert first._deferred == 1 and first.reads == 1  # killed inside the window opened at step 5
     second = make()
     trainer = fit(
         tmp_path, LitTiny(), [second], steps=8, loader=loader, name="resumed",
-        ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"),
+        ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"),
     )  # fmt: skip
     rows = read_csv(trainer)
     steps = logged_steps(rows, "dd/model.ln_f/n_rows")
-    assert steps == sorted(set(steps)) and steps and min(steps) > 1
+    assert steps == sorted(set(steps)) and steps and min(steps) > 2
     assert trainer.global_step == 8 and second.alerts_fired == []
     assert {n.kernel.reason for n in second.last_report.norms.values()} == {"insufficient_rows"}

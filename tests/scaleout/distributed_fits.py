@@ -42,6 +42,20 @@ from normscope import (
 from normscope.alerts import CallableRule
 from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
 
+
+def _discovery_forward(module: L.LightningModule, batch: Any) -> Any:
+    """The separate discovery forward (the ``sources=`` label field is no model input)."""
+    from normscope.monitors.scan import call_model
+
+    return call_model(module, batch, ("source",))
+
+
+# These fits' scenarios are built around step 0 (a padding-only shard at step 0, failures at
+# the windows 0, 1, 3, ...): they keep the separate discovery forward, so step 0 is read as
+# before. Discovery from the training forward under DDP (each rank on its own first batch) is
+# tested with Fabric (tests/integrations/test_fabric_ddp.py).
+SEPARATE_DISCOVERY: dict[str, Any] = {"example_forward": _discovery_forward}
+
 BATCH = 16  # per rank
 WORLD = 2
 EXACT_EVERY = 3  # reads after steps 1, 3, 6 ...
@@ -180,6 +194,7 @@ def fit_exact(out: Path) -> dict[str, Any]:
     reads: list[dict[str, Any]] = []
     delivered: list[dict[str, Any]] = []
     monitor = DeadDirectionMonitor(
+        **SEPARATE_DISCOVERY,
         every_n_steps=EXACT_EVERY,
         max_rows_per_step=None,
         rules=[recorder(reads), rank_one_only(at_step=EXACT_STOP)],
@@ -209,6 +224,7 @@ def fit_stop(out: Path) -> dict[str, Any]:
     reads: list[dict[str, Any]] = []
     delivered: list[dict[str, Any]] = []
     monitor = DeadDirectionMonitor(
+        **SEPARATE_DISCOVERY,
         every_n_steps=2,
         stop_on_alert=True,
         rules=[recorder(reads)],
@@ -262,7 +278,11 @@ def fit_fsdp(out: Path) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     reads: list[dict[str, Any]] = []
     monitor = DeadDirectionMonitor(
-        every_n_steps=EXACT_EVERY, max_rows_per_step=None, rules=[recorder(reads)], verbose=False
+        **SEPARATE_DISCOVERY,
+        every_n_steps=EXACT_EVERY,
+        max_rows_per_step=None,
+        rules=[recorder(reads)],
+        verbose=False,
     )
     module = LitSharded()
     t = L.Trainer(
@@ -328,7 +348,9 @@ def fit_fail(out: Path) -> dict[str, Any]:
     results = {}
     for what in FAIL_CASES:
         L.seed_everything(0, verbose=False)
-        monitor = DeadDirectionMonitor(every_n_steps=2, stop_on_alert=True, verbose=False)
+        monitor = DeadDirectionMonitor(
+            every_n_steps=2, stop_on_alert=True, verbose=False, **SEPARATE_DISCOVERY
+        )
         t = trainer(monitor, FAIL_STEPS, [CSVLogger(out, name=f"fail_{what}")])
         original = DeadDirectionReport.as_dict
         try:
@@ -434,6 +456,7 @@ def fit_sources(out: Path) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     reads: list[dict[str, Any]] = []
     monitor = DeadDirectionMonitor(
+        **SEPARATE_DISCOVERY,
         every_n_steps=EXACT_EVERY,
         max_rows_per_step=None,
         rules=[recorder(reads)],

@@ -85,7 +85,8 @@ def _same(logged: float, value: float) -> bool:
 
 def test_the_fit_read_on_schedule_and_fired_the_alert(logged_fit):
     monitor = logged_fit["monitor"]
-    assert [s for s, _ in logged_fit["reads"]] == [1, 2, 4, 6, 8]
+    # the baseline window is step 1 (step 0's forward is residual discovery's)
+    assert [s for s, _ in logged_fit["reads"]] == [2, 4, 6, 8]
     assert logged_fit["reads"][-1][1] == monitor.last_report.as_dict()
     assert [(a.rule, a.step, a.sublayer) for a in monitor.alerts_fired][:1] == [
         ("sigma_min_collapse", 4, "mlp")

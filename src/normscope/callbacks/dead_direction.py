@@ -49,7 +49,8 @@ class DeadDirectionMonitor(MonitorCallback):
     r"""Log the dead-direction geometry of every norm layer and the residual stream's
     ``sigma_min`` depth profile while a model trains, and alert when the stream collapses.
 
-    Every ``every_n_steps`` optimiser steps (and once at the first step, the baseline), the
+    Every ``every_n_steps`` optimiser steps (and once at the first step, the baseline: step 1,
+    since step 0's training forward is the one residual discovery watches), the
     hooks fold the rows of that step's training forwards (all gradient-accumulation
     micro-batches) into float64 accumulators; at the end of the step the monitor reduces them
     across processes, runs the reads of METRICS.md §1 and logs them to every logger and to
@@ -61,8 +62,11 @@ class DeadDirectionMonitor(MonitorCallback):
         every_n_steps: optimiser steps between reads (>= 1).
         layers: ``"auto"`` (every norm layer) or a list of norm module paths (as
             ``pl_module.named_modules()`` names them).
-        residual: track the residual stream's ``sigma_min`` profile. Finding the stream costs one
-            extra no-grad forward on the first training batch (``example_forward``).
+        residual: track the residual stream's ``sigma_min`` profile. The stream is found from
+            the first training batch's own forward (``training_step``'s, whatever it calls;
+            docs/monitors.md, "Finding the residual stream"); that step is not read. When no
+            stream is found, one warning says why, and ``dd/profile_points`` reads 0;
+            ``residual=False`` silences it.
         max_rows_per_step: rows kept per tapped tensor per forward (seeded uniform subsample).
         alert_below: the ``sigma_min`` ratio floor of the theory (1.0).
         tolerance: how far below ``alert_below`` a ratio may dip before it counts (default 0.2,
@@ -81,8 +85,10 @@ class DeadDirectionMonitor(MonitorCallback):
         max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor); over it, norm
             layers are taken at a stride over depth (the final norm always kept) and a warning
             says which were left out.
-        example_forward: ``fn(pl_module, batch)`` running one forward, for residual discovery;
-            default: a dict batch as keyword arguments, a tuple batch by its first element.
+        example_forward: ``fn(pl_module, batch)`` running one forward: residual discovery then
+            runs it separately (eager, no grad, eval mode) on the first batch, and step 0 is
+            read. A compiled model always gets such a forward; its default: a dict batch as
+            keyword arguments, a tuple batch by its first element.
         verbose: print one line per read and a summary at the end of the fit (rank zero).
         seed: seed of the row subsampling.
         overhead_warn: warn once when a read costs more than this fraction of training time
@@ -204,6 +210,9 @@ class DeadDirectionMonitor(MonitorCallback):
         self.alerts_fired: list[Alert] = []
         self._baselines: dict[str, float] = {}
         self._rows: dict[str, int] = {}  # the rows each baseline was read on
+        self._discovering = False  # discovery's hooks watch this batch's training forward
+        self._discovery_step: int | None = None  # the step whose forward discovery watched
+        self._late_window: int | None = None  # read in place of the discovery step's window
 
     # ------------------------------------------------------------ lifecycle
     def _check_setup(self, trainer: Trainer) -> None:
@@ -246,12 +255,15 @@ class DeadDirectionMonitor(MonitorCallback):
         tracker = self.tracker
         if tracker is None:
             return
-        if not tracker.attached:
-            self._attach(pl_module, batch)
-            if trainer.global_step == 0 and compiled(pl_module):
-                self._baseline_step = 1  # the first compiled forward must see the gate closed
+        if not tracker.attached and not self._discovering:
+            if tracker.residual and not self._separate_discovery(trainer, pl_module):
+                self._start_discovery(trainer)
+            else:
+                self._attach(pl_module, batch)
+                if trainer.global_step == 0 and compiled(pl_module):
+                    self._baseline_step = 1  # the first compiled forward must see the gate closed
         self._step_at_batch_start = trainer.global_step
-        if self._in_window(trainer.global_step):
+        if tracker.attached and self._in_window(trainer.global_step):
             tracker.snapshot_gammas()  # the gammas this window's forwards use
             tracker.gate.mask = batch_mask(batch)
             tracker.gate.sources = tracker.label(batch)
@@ -264,12 +276,18 @@ class DeadDirectionMonitor(MonitorCallback):
         tracker = self.tracker
         if tracker is None:
             return
+        if self._discovering:  # the forward discovery watched has run: decide, then tap
+            self._discovering = False
+            self._finish_discovery()
         tracker.gate.open = False
         tracker.gate.mask = None
         tracker.gate.sources = None
         completed = self._step_at_batch_start  # the optimiser step these micro-batches belong to
         if trainer.global_step == completed:
             return  # mid accumulation
+        if completed == self._discovery_step:
+            self._clock(plain=False)
+            return  # discovery's step: its forwards ran before the taps existed
         if not self._in_window(completed):
             self._clock(plain=True)
             return  # not a sampled step
@@ -315,7 +333,66 @@ class DeadDirectionMonitor(MonitorCallback):
         # Defer at most every_n_steps optimiser steps, then read whatever there is (NaN + reason).
         return have >= need or self._deferred >= self.every_n_steps
 
+    def _in_window(self, step: int) -> bool:
+        if step == self._discovery_step:
+            return False
+        return step == self._late_window or super()._in_window(step)
+
+    def _separate_discovery(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+        """Whether the residual stream is found by a forward of the monitor's own (the old
+        way) rather than from the training step's forward: with ``example_forward``, and on a
+        compiled model (dynamo must not trace discovery's hooks). Every loop of
+        :mod:`normscope.integrations` calls the hooks around its training forwards, so it
+        discovers from them as Lightning does: one engine, the same steps."""
+        return self.example_forward is not None or compiled(pl_module)
+
+    def _start_discovery(self, trainer: Trainer) -> None:
+        """Arm discovery's hooks for the forward ``training_step`` runs on this batch; the
+        points are decided at this batch's end (:meth:`_finish_discovery`). That step is
+        never read (its forwards ran untapped); when it was a sampled step, the next step is
+        read in its place: on a fresh fit the baseline window is step 1, not 0, and a fit
+        resumed at a sampled step reads the step after it."""
+        assert self.tracker is not None
+        try:
+            self.tracker.start_discovery()
+        except Exception as err:  # noqa: BLE001 - e.g. no block stack: keep the norm reads
+            self._profile_off(f"{type(err).__name__}: {err}")
+            return
+        step = trainer.global_step
+        if self._in_window(step):
+            self._late_window = step + 1
+        self._discovering = True
+        self._discovery_step = step
+
+    def _finish_discovery(self) -> None:
+        assert self.tracker is not None
+        try:
+            self.tracker.attach()
+        except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
+            self._profile_off(
+                f"the training forward did not show the stream ({type(err).__name__}: {err})"
+            )
+            return
+        self._after_attach()
+
+    def _profile_off(self, why: str) -> None:
+        """No residual profile: one warning saying why and what to pass; the norm reads go
+        on, and every read logs ``dd/profile_points`` = 0."""
+        assert self.tracker is not None
+        rank_zero_warn(
+            f"normscope: residual profile disabled (dd/profile_points = 0: no sigma_min profile, "
+            f"so the sigma_min collapse alert is off): {why}. Pass "
+            "example_forward=fn(pl_module, batch) running one forward through the transformer "
+            "blocks, or residual=False to silence this."
+        )
+        self.tracker.detach()
+        self.tracker.residual = False
+        self.tracker.layout = None
+        self.tracker.attach()
+        self._after_attach()
+
     def _attach(self, pl_module: LightningModule, batch: Any) -> None:
+        """Attach with a separate discovery forward of the monitor's own (eager, no grad)."""
         assert self.tracker is not None
         forward = self.example_forward or call_model
         if self.example_forward is None and isinstance(self.sources, str):
@@ -329,18 +406,24 @@ class DeadDirectionMonitor(MonitorCallback):
             with torch.no_grad(), eager_forwards():
                 self.tracker.attach(forward=lambda: forward(pl_module, batch))
         except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
-            rank_zero_warn(
-                f"normscope: residual profile disabled: the discovery forward failed "
-                f"({type(err).__name__}: {err}); pass example_forward=fn(pl_module, batch)"
-            )
-            self.tracker.residual = False
-            self.tracker.attach()
+            self._profile_off(f"the discovery forward failed ({type(err).__name__}: {err})")
+            return
+        self._after_attach()
+
+    def _after_attach(self) -> None:
+        """Say what the layout holds (notes as info, a block-boundary fallback as one
+        warning) and give the rules the points' sublayers."""
+        assert self.tracker is not None
         profile_subs = {}
-        if self.tracker.layout is not None:
-            profile_subs = {key_path(p.name): p.sublayer for p in self.tracker.layout.points}
-            for note in self.tracker.layout.notes:
-                rank_zero_info(f"normscope: {note}")
-            if self.tracker.layout.style == "post-norm" and self.sigma_rule in self.rules:
+        layout = self.tracker.layout
+        if layout is not None:
+            profile_subs = {key_path(p.name): p.sublayer for p in layout.points}
+            for note in layout.notes:
+                if note == layout.fallback:
+                    rank_zero_warn(f"normscope: {note}")
+                else:
+                    rank_zero_info(f"normscope: {note}")
+            if layout.style == "post-norm" and self.sigma_rule in self.rules:
                 # The no-cancellation bound is a pre-norm statement: on post-LN blocks the
                 # profile is logged, but a ratio below 1 is not an alert.
                 self.rules.remove(self.sigma_rule)

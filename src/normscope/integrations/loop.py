@@ -232,8 +232,10 @@ class Watch:
     def start(self, batch: Any = None) -> None:
         """Before the forwards of an optimiser step (of each micro-batch, with gradient
         accumulation). ``batch``: what the forward gets; its ``attention_mask`` (a dict batch)
-        excludes padding, and the first one runs the residual discovery forward (a dict as
-        keyword arguments, a tuple by its first element, a tensor as is)."""
+        excludes padding. At the first call the residual discovery hooks are armed: they watch
+        this step's own forwards, and the taps are registered at :meth:`stepped` (so the first
+        read is step 1's; a monitor with ``example_forward=`` instead runs its own discovery
+        forward here)."""
         if not self._set_up:
             self._setup()
         self._batch = batch

@@ -12,8 +12,8 @@ that monitor's own hooks (:mod:`normscope.integrations.loop`), so the reads are 
 Lightning run on the same model and rows. How the Trainer's loop maps onto them:
 
 * the step starts at the model's first training forward after ``on_step_begin`` (a forward
-  pre-hook: the batch -- its ``attention_mask`` and, once, the residual discovery forward -- is
-  only visible there); every micro-batch of gradient accumulation is folded;
+  pre-hook: the batch -- its ``attention_mask`` -- is only visible there; the first step's
+  forward is watched by residual discovery, so the first read is step 1's); every micro-batch of gradient accumulation is folded;
 * the optimiser stepped at ``on_step_end`` (``state.global_step`` is the step count);
 * a read is logged with ``trainer.log``: it lands in ``trainer.state.log_history`` and in every
   ``report_to`` integration (W&B, TensorBoard, ...), with ``<family>/alerts_fired`` (alerts

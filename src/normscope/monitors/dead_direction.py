@@ -37,7 +37,12 @@ from normscope.functional.dead_direction import (
 from normscope.functional.profile import SigmaMinProfile, sigma_min_profile
 from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import NormLayer, find_norm_layers
-from normscope.taps.residual import ResidualLayout, ResidualPoint, find_residual_points
+from normscope.taps.residual import (
+    ResidualDiscovery,
+    ResidualLayout,
+    ResidualPoint,
+    find_residual_points,
+)
 from normscope.taps.sources import SourceLabels, SourceSpec, SourceSplit, resolve_labels
 
 __all__ = ["DeadDirectionReport", "DeadDirectionTracker", "NormReport", "key_path"]
@@ -123,6 +128,10 @@ class DeadDirectionReport:
             # dd/<point>/no_cancellation_margin and dd/no_cancellation_margin_min come with
             # the profile's keys when the margin was measured
         out[f"{FAMILY}/rows_rejected"] = float(self.rows_rejected)
+        # the residual points this read covers: 0 says "no sigma_min profile" out loud
+        out[f"{FAMILY}/profile_points"] = (
+            float(len(self.profile.points)) if self.profile is not None else 0.0
+        )
         # layers (norms, residual points, the profile) no longer read after a failure
         out[f"{FAMILY}/reads_disabled"] = float(
             len({key.rsplit(":", 1)[0] for key in self.failed_taps})
@@ -165,8 +174,9 @@ class DeadDirectionTracker:
     Args:
         model: the model (any ``nn.Module``).
         layers: ``"auto"`` (every norm layer found) or a list of norm module paths.
-        residual: also track the residual stream's ``sigma_min`` depth profile (needs one
-            discovery forward, see :meth:`attach`).
+        residual: also track the residual stream's ``sigma_min`` depth profile (found from
+            one forward: the ``forward`` of :meth:`attach`, or the caller's own after
+            :meth:`start_discovery`).
         max_rows_per_step: rows kept per tapped tensor per forward (seeded uniform subsample).
         max_memory: byte budget for every accumulator (``8 d^2`` per tapped tensor: a norm's
             input and output, each residual point; a point that is a norm's input is shared).
@@ -251,6 +261,7 @@ class DeadDirectionTracker:
         self._gammas: dict[str, torch.Tensor] = {}
         self._width: int | None = None
         self._profile_failed: str | None = None
+        self._discovery: ResidualDiscovery | None = None
         self.attached = False
 
     # ------------------------------------------------------------------ hooks
@@ -271,11 +282,35 @@ class DeadDirectionTracker:
             self.model.train(was_training)
         return self.layout
 
+    def start_discovery(self) -> bool:
+        """Arm residual discovery on the next forward the caller runs itself (a training step's
+        own forward, :class:`~normscope.taps.residual.ResidualDiscovery`); the following
+        :meth:`attach` decides the points from it and registers the taps. False (nothing
+        armed) when ``residual`` is off or the points are known.
+
+        Raises:
+            ResidualDiscoveryError: the model has no block stack.
+        """
+        if not self.residual or self.layout is not None or self.attached:
+            return False
+        if self._discovery is None:
+            self._discovery = ResidualDiscovery(self.model, self.norms).install()
+        return True
+
     def attach(self, forward: ForwardFn | None = None) -> None:
-        """Discover residual points (if ``residual``) and register every hook, once."""
+        """Discover residual points (if ``residual``) and register every hook, once.
+
+        After :meth:`start_discovery` and a forward, the points come from that forward and
+        ``forward`` is not called."""
         if self.attached:
             return
-        if self.layout is None:
+        if self.layout is None and self._discovery is not None:
+            discovery, self._discovery = self._discovery, None
+            if self.residual:
+                self.layout = discovery.finish()  # removes its hooks first, whatever it finds
+            else:
+                discovery.remove()
+        elif self.layout is None:
             self.discover(forward)
         if self.max_memory is not None:
             self._apply_budget(self.max_memory)
@@ -398,6 +433,9 @@ class DeadDirectionTracker:
 
     def detach(self) -> None:
         """Remove every hook (reads of what was accumulated stay possible)."""
+        if self._discovery is not None:
+            self._discovery.remove()
+            self._discovery = None
         self.taps.remove()
         self.attached = False
 

@@ -12,6 +12,7 @@ from normscope.taps.norms import (
     unregister_norm_adapter,
 )
 from normscope.taps.residual import (
+    ResidualDiscovery,
     ResidualDiscoveryError,
     ResidualLayout,
     ResidualPoint,
@@ -24,6 +25,7 @@ __all__ = [
     "NormDiscovery",
     "NormDiscoveryError",
     "NormLayer",
+    "ResidualDiscovery",
     "ResidualDiscoveryError",
     "ResidualLayout",
     "ResidualPoint",

@@ -32,6 +32,7 @@ boundaries) and ``"mixed"`` (blocks disagree).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ from normscope._common import NormscopeError
 from normscope.taps.norms import NormLayer, find_norm_layers
 
 __all__ = [
+    "ResidualDiscovery",
     "ResidualDiscoveryError",
     "ResidualLayout",
     "ResidualPoint",
@@ -104,6 +106,9 @@ class ResidualLayout:
         final_norm: path of the norm after the stack, if one reads the last block's output.
         notes: plain statements a report should show (post-norm caveat, branch norms...).
         branch_norms: norms inside blocks that read a branch, not the stream.
+        fallback: why the points are the block boundaries although norms read the stream (a
+            sublayer could not be told apart, e.g. ``x + x @ A + attn(ln(x))``: the matmul is no
+            module); ``None`` when each sublayer was found. Also the first of ``notes``.
     """
 
     points: tuple[ResidualPoint, ...]
@@ -112,6 +117,7 @@ class ResidualLayout:
     final_norm: str | None
     notes: tuple[str, ...]
     branch_norms: tuple[str, ...] = ()
+    fallback: str | None = None
 
 
 def tap_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -165,6 +171,48 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool(((a64 - b64).abs() <= slack).all())
 
 
+def _branch_scale(
+    rows: torch.Tensor, base: torch.Tensor, s: torch.Tensor
+) -> float | torch.Tensor | None:
+    """The ``c`` of ``rows = base + c * s`` (a scalar, else one per channel), or None.
+
+    ``c`` is solved by least squares (per channel: over the rows) and accepted only when the
+    reconstruction holds entry by entry at rounding level. The slack also covers the rounding
+    of the product ``c * s`` the model formed before the add (it does not shrink when ``base``
+    and ``c * s`` cancel in an entry). A per-channel ``c`` needs 8 rows or more: on fewer, any
+    branch would fit.
+    """
+    if rows.shape != s.shape or rows.shape != base.shape:
+        return None
+    r64, b64, s64 = rows.double(), base.double(), s.double()
+    eps = torch.finfo(rows.dtype).eps
+    diff = r64 - b64
+
+    def holds(cs: torch.Tensor) -> bool:
+        slack = 4 * eps * (r64.abs() + b64.abs() + cs.abs()) + 1e-3 * eps * r64.abs().max()
+        return bool(((diff - cs).abs() <= slack).all())
+
+    total = float((s64 * s64).sum())
+    if total == 0.0 or not math.isfinite(total):
+        return None
+    c = float((diff * s64).sum()) / total
+    if c != 0.0 and math.isfinite(c) and holds(c * s64):
+        return c
+    if rows.shape[0] < 8:
+        return None
+    den = (s64 * s64).sum(0)
+    cv = torch.where(den > 0, (diff * s64).sum(0) / den.clamp_min(1e-300), torch.zeros_like(den))
+    if not bool(torch.isfinite(cv).all()) or float(cv.abs().max()) == 0.0:
+        return None
+    return cv if holds(cv * s64) else None
+
+
+def _describe_scale(c: float | torch.Tensor) -> str:
+    if isinstance(c, torch.Tensor):
+        return f"c per channel in [{float(c.min()):.4g}, {float(c.max()):.4g}]"
+    return f"c = {c:.4g}"
+
+
 @dataclass
 class _Point:
     ref: torch.Tensor | None  # the tensor itself, kept alive so that data_ptr identity holds
@@ -174,6 +222,7 @@ class _Point:
     sublayer: str | None = None
     readers: list[str] = field(default_factory=list)
     via_norm: bool = False  # the step added a norm's output (sandwich)
+    branch_scale: float | torch.Tensor | None = None  # the c of "previous + c * branch"
 
 
 @dataclass
@@ -184,6 +233,7 @@ class _Block:
     sandwich: bool = False
     output_norm: str | None = None
     scale: float | None = None
+    unexplained: list[str] = field(default_factory=list)  # stream-width norm inputs, no step
 
 
 class _StackTrace:
@@ -233,11 +283,22 @@ class _StackTrace:
                     return p
         return None
 
-    def _step(self, rows: torch.Tensor, scaled: bool) -> tuple[str, bool, bool, float | None]:
-        """(sublayer, matched, via_norm, scale) of the step from the latest point to ``rows``."""
+    def _step(self, rows: torch.Tensor, scaled: bool) -> tuple:
+        """(sublayer, matched, via_norm, scale, branch_scale) of the step from the latest
+        point to ``rows``: ``rows = base + s`` for a module output ``s`` of the block (exact),
+        else ``base + c * s`` (``c`` a scalar or one per channel: residual multipliers,
+        ``1/sqrt(2L)``, LayerScale; ``branch_scale``), else (``scaled``: block outputs only)
+        ``c * (base + s)`` (a learned scale after the add; ``scale``)."""
         base = self.visible[-1].rows
         hits = [(p, n) for p, s, n in self.window if _close(rows, base + s, rows.dtype)]
-        scale = None
+        scale = branch_scale = None
+        fits: dict[str, float | torch.Tensor] = {}
+        if not hits:
+            for p, s, n in self.window:
+                c = _branch_scale(rows, base, s)
+                if c is not None:
+                    hits.append((p, n))
+                    fits[p] = c
         if not hits and scaled:
             for p, s, n in self.window:
                 u = (base + s).double()
@@ -246,8 +307,9 @@ class _StackTrace:
                     hits, scale = [(p, n)], c
                     break
         if not hits:
-            return "block", False, False, None
+            return "block", False, False, None, None
         path, is_norm = min(hits, key=lambda h: (_label(h[0]) is None, h[0].count("."), h[0]))
+        branch_scale = fits.get(path)
         label = _label(path)
         if label is None:  # e.g. ViT's "output.dense": look at what ran since the last point
             prefix = self.blocks[self.current][0] + "."
@@ -255,7 +317,7 @@ class _StackTrace:
             seen = {_label(c) for c in self.completed if c not in readers}
             seen.discard(None)
             label = seen.pop() if len(seen) == 1 else "block"
-        return label, True, is_norm, scale
+        return label, True, is_norm, scale, branch_scale
 
     def _forget_all_but_last(self) -> None:
         """Drop the tensors of points no later comparison needs: memory stays one block's worth."""
@@ -264,16 +326,18 @@ class _StackTrace:
         self.visible = self.visible[-1:]
 
     def _add(self, t: torch.Tensor, rows: torch.Tensor, producer: tuple[str, int], step) -> _Point:
-        label, _, via_norm, _ = step
-        p = _Point(t, t._version, rows, producer, label, via_norm=via_norm)
+        label, _, via_norm, _, branch_scale = step
+        p = _Point(
+            t, t._version, rows, producer, label, via_norm=via_norm, branch_scale=branch_scale
+        )
         self.points.append(p)
         self.visible.append(p)
         self.window, self.completed = [], []
         return p
 
     def block_start(self, i: int, x: torch.Tensor | None) -> None:
-        if self.problem:
-            return
+        if self.problem or self.finished:
+            return  # finished: a later forward (activation-checkpoint recompute) adds nothing
         if self.current is not None:
             self.problem = f"block {i} started inside block {self.current}"
             return
@@ -288,7 +352,7 @@ class _StackTrace:
         self._forget_all_but_last()
         if i == 0:
             self.width = x.shape[-1]
-            self._add(x, rows, ("input", 0), (None, False, False, None))
+            self._add(x, rows, ("input", 0), (None, False, False, None, None))
         elif self._find(x, rows, by_value=True) is None:
             self.problem = f"block {i} does not read block {i - 1}'s output"
             return
@@ -318,6 +382,10 @@ class _StackTrace:
             else:
                 point = self._find(t, rows, by_value=True)
         if point is None:
+            if not any(_close(rows, s, rows.dtype) for _, s, _ in self.window):
+                # no point, no step from one, not a module's output: a sum with something no
+                # module computed (``x + x @ A + attn(ln(x))``, functional dropout in training)
+                rec.unexplained.append(path)
             self.branch.append((path, "branch"))  # a branch before it is added (sandwich)
             return
         if point is self.visible[0]:
@@ -379,6 +447,20 @@ def _candidate_stacks(model: nn.Module, norm_ids: set[int]) -> list[_StackTrace]
     return found
 
 
+def _guarded(traces: list[_StackTrace], fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` as a hook that never raises into the forward (it may be a training forward): a
+    failure becomes every trace's problem, and discovery reports it at ``finish()``."""
+
+    def hook(*args: object, **kwargs: object) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - told at finish(), never to the forward
+            for trace in traces:
+                trace.problem = trace.problem or f"a discovery hook failed ({exc!r})"
+
+    return hook
+
+
 def _install(traces: list[_StackTrace], norms: Sequence[NormLayer]) -> list:
     """Register the temporary hooks; return their handles."""
     norm_path = {id(n.module): n.name for n in norms}
@@ -410,11 +492,12 @@ def _install(traces: list[_StackTrace], norms: Sequence[NormLayer]) -> list:
 
     order = iter(range(1 << 62))
     handles = []
+    norm_hook, sub_hook = _guarded(traces, norm_pre), _guarded(traces, sub_post)
     for key, m in modules.items():
         if key in norm_path:
-            handles.append(m.register_forward_pre_hook(norm_pre, with_kwargs=True))
+            handles.append(m.register_forward_pre_hook(norm_hook, with_kwargs=True))
         if key in inside:
-            handles.append(m.register_forward_hook(sub_post))
+            handles.append(m.register_forward_hook(sub_hook))
     for trace in traces:
         for i, (_, block) in enumerate(trace.blocks):
 
@@ -424,8 +507,8 @@ def _install(traces: list[_StackTrace], norms: Sequence[NormLayer]) -> list:
             def post(m, args, output, trace=trace, i=i):
                 trace.block_end(i, output, next(order))
 
-            handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(block.register_forward_hook(post))
+            handles.append(block.register_forward_pre_hook(_guarded(traces, pre), with_kwargs=True))
+            handles.append(block.register_forward_hook(_guarded(traces, post)))
     return handles
 
 
@@ -470,15 +553,9 @@ def find_residual_points(
          ('transformer.h.1.ln_1', 'mlp'), ('transformer.h.1.ln_2', 'attn'),
          ('transformer.ln_f', 'mlp')]
     """
-    norms = find_norm_layers(model) if norms is None else list(norms)
-    traces = _candidate_stacks(model, {id(n.module) for n in norms})
-    if not traces:
-        raise ResidualDiscoveryError(
-            f"no block stack in {type(model).__name__}: looked for an nn.ModuleList or "
-            "nn.Sequential of same-class modules (the transformer's layers)"
-        )
+    discovery = ResidualDiscovery(model, norms)
     training = {m: m.training for m in model.modules()}
-    handles = _install(traces, norms)
+    discovery.install()
     try:
         model.eval()
         with torch.no_grad():
@@ -489,22 +566,97 @@ def find_residual_points(
                     f"find_residual_points: the forward callable failed: {exc!r}"
                 ) from exc
     finally:
-        for handle in handles:
-            handle.remove()
+        discovery.remove()
         for m, flag in training.items():
             m.training = flag
-    for trace in traces:
-        if trace.problem is None and trace.calls != list(range(len(trace.blocks))):
-            trace.problem = f"ran blocks {trace.calls} of {len(trace.blocks)}"
-    valid = [t for t in traces if t.problem is None]
-    if not valid:
-        tried = "; ".join(f"{t.path or '<root>'}: {t.problem}" for t in traces)
-        raise ResidualDiscoveryError(
-            f"no block stack of {type(model).__name__} ran in sequence (each block once, in "
-            f"order, reading the previous block's output): {tried}"
-        )
-    best = max(valid, key=lambda t: (t.has_norms, len(t.blocks), t.finish_order))
-    return _layout(best, [t for t in valid if t is not best])
+    return discovery.finish()
+
+
+class ResidualDiscovery:
+    """Residual discovery around a forward that someone else runs (the training step's own).
+
+    :func:`find_residual_points` is ``install()``, one eval-mode no-grad forward, ``finish()``.
+    A Lightning callback instead installs the hooks before the first training batch, lets
+    ``training_step`` run its forward (whatever it calls: ``self(...)``, ``self.model(...)``,
+    blocks held as attributes), and decides the layout after it. The hooks only observe: they
+    copy (detached) what the stack's blocks and norms see, never change a tensor, and never
+    raise into the forward (a failure is reported by :meth:`finish`). Blocks that run again
+    once the stack has finished (an activation-checkpoint recompute in the backward) are
+    ignored. In training mode the ``x + f`` evidence holds wherever dropout is a module inside
+    the branch (its output is the branch); a functional dropout between a module and the add
+    leaves the sublayer unexplained, and the layout falls back to the block boundaries
+    (``ResidualLayout.fallback``).
+
+    Args:
+        model: the model whose modules hold the stack (the LightningModule itself is fine).
+        norms: the norm layers to consider (default :func:`find_norm_layers`).
+
+    Raises:
+        ResidualDiscoveryError: (at construction) the model has no block stack.
+
+    Example::
+
+        discovery = ResidualDiscovery(model).install()
+        try:
+            loss = model(batch).loss   # any forward: discovery watches it
+        finally:
+            discovery.remove()
+        layout = discovery.finish()
+    """
+
+    def __init__(self, model: nn.Module, norms: Sequence[NormLayer] | None = None) -> None:
+        self.model = model
+        self.norms = find_norm_layers(model) if norms is None else list(norms)
+        self.traces = _candidate_stacks(model, {id(n.module) for n in self.norms})
+        if not self.traces:
+            raise ResidualDiscoveryError(
+                f"no block stack in {type(model).__name__}: looked for an nn.ModuleList or "
+                "nn.Sequential of same-class modules (the transformer's layers)"
+            )
+        self._handles: list = []
+        self._finished = False
+
+    @property
+    def installed(self) -> bool:
+        """Whether the temporary hooks are registered."""
+        return bool(self._handles)
+
+    def install(self) -> ResidualDiscovery:
+        """Register the temporary hooks (once); the next forward is the evidence."""
+        if self._finished:
+            raise ResidualDiscoveryError("ResidualDiscovery: finish() was called already")
+        if not self._handles:
+            self._handles = _install(self.traces, self.norms)
+        return self
+
+    def remove(self) -> None:
+        """Remove the temporary hooks (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def finish(self) -> ResidualLayout:
+        """Remove the hooks and decide the layout from what the forward showed.
+
+        Raises:
+            ResidualDiscoveryError: the stack did not run once, in order, each block reading
+                the previous one's output (or no forward ran at all).
+        """
+        self.remove()
+        self._finished = True
+        traces = self.traces
+        for trace in traces:
+            if trace.problem is None and trace.calls != list(range(len(trace.blocks))):
+                trace.problem = f"ran blocks {trace.calls} of {len(trace.blocks)}"
+        valid = [t for t in traces if t.problem is None]
+        if not valid:
+            tried = "; ".join(f"{t.path or '<root>'}: {t.problem}" for t in traces)
+            raise ResidualDiscoveryError(
+                f"no block stack of {type(self.model).__name__} ran in sequence (each block "
+                f"once, in order, reading the previous block's output): {tried}"
+            )
+        best = max(valid, key=lambda t: (t.has_norms, len(t.blocks), t.finish_order))
+        return _layout(best, [t for t in valid if t is not best])
 
 
 def _names(paths: list[str], limit: int = 4) -> str:
@@ -513,7 +665,7 @@ def _names(paths: list[str], limit: int = 4) -> str:
 
 
 def _points(trace: _StackTrace, blocks: list[str], style: str) -> list[ResidualPoint]:
-    if style == "post-norm":  # the stream is the norms' outputs: take the block boundaries
+    if style in ("post-norm", "boundaries"):  # the block boundaries
         first = ResidualPoint(blocks[0], blocks[0], "input", None, 0)
         return [first] + [
             ResidualPoint(f"{b}.output", b, "output", "block", k + 1) for k, b in enumerate(blocks)
@@ -535,17 +687,22 @@ def _points(trace: _StackTrace, blocks: list[str], style: str) -> list[ResidualP
 
 
 def _notes(
-    trace: _StackTrace, styles: list[str], points: list[ResidualPoint], others: list[_StackTrace]
+    trace: _StackTrace,
+    styles: list[str],
+    points: list[ResidualPoint],
+    others: list[_StackTrace],
+    fallback: str | None = None,
 ) -> list[str]:
     blocks = [b for b, _ in trace.blocks]
     narrow = [p for p, why in trace.branch if why == "width"]
-    branch = [p for p, why in trace.branch if why == "branch"]
-    notes = []
+    unexplained = {p for r in trace.records for p in r.unexplained} if fallback else set()
+    branch = [p for p, why in trace.branch if why == "branch" and p not in unexplained]
+    notes = [fallback] if fallback else []
     if "post-norm" in styles:
         notes.append(_POST_NORM_NOTE)
     if len(set(styles)) > 1:
         notes.append("blocks differ in style: " + ", ".join(map(": ".join, zip(blocks, styles))))
-    if "parallel" in styles:
+    if "parallel" in styles and not fallback:
         notes.append(
             "parallel residual: attention and MLP read the same stream tensor and are added "
             "together, so each block is one step, labelled 'block'"
@@ -568,8 +725,19 @@ def _notes(
             "block outputs are the residual sum times a scalar (a learned layer scale, e.g. "
             f"Gemma 4's layer_scalar), and the step includes it: {', '.join(scaled)}"
         )
+    scaled_steps = [
+        f"{point.name} ({point.sublayer}, {_describe_scale(p.branch_scale)})"
+        for point, p in zip(points, trace.points)
+        if p.branch_scale is not None
+    ]
+    if scaled_steps and not fallback and "post-norm" not in styles:
+        notes.append(
+            "scaled branches: the point is the previous point plus c times one module's output "
+            "(a residual multiplier, 1/sqrt(2L), a learned scalar or LayerScale), labelled by "
+            f"that module: {_names(scaled_steps)}"
+        )
     unlabelled = [p.name for p in points[1:] if p.sublayer == "block"]
-    if unlabelled and not {"parallel", "post-norm"} & set(styles):
+    if unlabelled and not fallback and not {"parallel", "post-norm"} & set(styles):
         notes.append(
             "steps labelled 'block' add several branches at once, or one whose path names "
             f"neither attention nor MLP: {_names(unlabelled)}"
@@ -586,13 +754,30 @@ def _layout(trace: _StackTrace, others: list[_StackTrace]) -> ResidualLayout:
     blocks = [b for b, _ in trace.blocks]
     styles = [trace.block_style(r) for r in trace.records]
     style = styles[0] if len(set(styles)) == 1 else "mixed"
-    points = _points(trace, blocks, style)
-    branch = () if style == "post-norm" else tuple(p for p, _ in trace.branch)
+    unexplained = [
+        path
+        for rec, st in zip(trace.records, styles)
+        if st in ("pre-norm", "sandwich", "parallel")
+        for path in rec.unexplained
+    ]
+    fallback = None
+    if unexplained:
+        fallback = (
+            f"residual stream: {len(unexplained)} norm(s) read a sum that is no stream point "
+            "plus (c times) one module's output, so a sublayer cannot be told apart (e.g. "
+            "x + x @ A + attn(ln(x)): the matmul is no module; or a functional dropout in a "
+            f"training forward): {_names(unexplained)}. The profile falls back to the block "
+            "boundaries (block inputs/outputs, one step per block, labelled 'block')"
+        )
+    points = _points(trace, blocks, "boundaries" if fallback else style)
+    skip = set(unexplained)
+    branch = () if style == "post-norm" else tuple(p for p, _ in trace.branch if p not in skip)
     return ResidualLayout(
         points=tuple(points),
         style=style,
         blocks=tuple(blocks),
         final_norm=trace.final_norm,
-        notes=tuple(_notes(trace, styles, points, others)),
+        notes=tuple(_notes(trace, styles, points, others, fallback)),
         branch_norms=branch,
+        fallback=fallback,
     )
