@@ -19,9 +19,10 @@ detection delay = reads from the first read after the switch (for a ramp: the fi
 ``s >= 0.8``; an alert before that counts 0) to the first alert at the point after that block.
 
 Each read's ``dd/`` metrics are kept (JSONL, ``--out``) and the rules judged on the same reads:
-``v1`` is version 1's rule (raw ratios under 0.8, reads from ``2 d`` rows), ``rows`` the rule
-with intervals (``SigmaMinRatioRule()``: the interval's top under 0.8, reads from ``4 d`` rows),
-and ``rows, floor 0.5`` the same at ``tolerance=0.5``. Version 1 read at ``2 d`` rows where the
+``v1`` is version 1's rule (raw ratios under 0.8, reads from ``2 d`` rows), ``rows, floor 0.8``
+and ``rows, floor 0.6`` the rule with intervals (the interval's top under the floor, reads from
+``4 d`` rows), and ``default`` what ``SigmaMinRatioRule()`` does: floor 0.6, and 0.85 for a step
+ratio that fell under 0.6 x its previous read (a sudden drop). Version 1 read at ``2 d`` rows where the
 new monitor waits for ``4 d``: the one configuration where that differs (width 256 at 512 rows a
 step) runs an extra pair of monitors reading at ``2 d`` for ``v1``.
 
@@ -59,11 +60,10 @@ from normscope.functional.profile import ratio_bounds  # noqa: E402
 from normscope.integrations import Watch  # noqa: E402
 
 RULES = {
-    "v1": lambda: SigmaMinRatioRule(min_rows_per_dim=2),  # judged on raw ratios, see _v1_view
-    "rows": lambda: SigmaMinRatioRule(),
-    "rows, floor 0.7": lambda: SigmaMinRatioRule(tolerance=0.3),
-    "rows, floor 0.6": lambda: SigmaMinRatioRule(tolerance=0.4),
-    "rows, floor 0.5": lambda: SigmaMinRatioRule(tolerance=0.5),
+    "v1": lambda: SigmaMinRatioRule(tolerance=0.2, min_rows_per_dim=2, drop=None),  # raw ratios
+    "rows, floor 0.8": lambda: SigmaMinRatioRule(tolerance=0.2, drop=None),
+    "rows, floor 0.6": lambda: SigmaMinRatioRule(tolerance=0.4, drop=None),
+    "default": lambda: SigmaMinRatioRule(),  # floor 0.6, a sudden drop under 0.6x: 0.85
 }
 
 
@@ -433,9 +433,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("|---|" + "---:|" * len(RULES))
     for r in detection_table(verdict["collapse"]):
         print("| " + " | ".join(r) + " |")
-    print("\nmisses of 'rows' (delay > 2 or none), by width and row cap:")
+    print("\nmisses of 'default' (delay > 2 or none), by width and row cap:")
     misses = defaultdict(int)
-    for c in verdict["collapse"]["rows"]:
+    for c in verdict["collapse"]["default"]:
         if c["strength"] >= 0.8 and (c["delay"] is None or c["delay"] > 2):
             misses[(c["kind"], c["strength"], c["width"], c["rows"])] += 1
     print("  " + (", ".join(f"{k}: {v}" for k, v in sorted(misses.items())) or "none"))

@@ -97,10 +97,10 @@ def _read(ratio: float, rows_per_dim: float, d: int = 16) -> dict[str, float]:
 
 
 def test_a_read_from_few_rows_does_not_alert_where_many_rows_would():
-    """The README's example: a step ratio of 0.6 read from N/d = 2 cannot decide (it may be
+    """The README's example: a step ratio of 0.4 read from N/d = 2 cannot decide (it may be
     the Marchenko-Pastur bias: NaN interval, undecided); from N/d = 50 it alerts."""
-    few, many = _read(0.6, 2), _read(0.6, 50)
-    assert few["dd/p1/sigma_min_step"] == pytest.approx(0.6, rel=1e-12)
+    few, many = _read(0.4, 2), _read(0.4, 50)
+    assert few["dd/p1/sigma_min_step"] == pytest.approx(0.4, rel=1e-12)
     assert math.isnan(few["dd/p1/sigma_min_step_hi"]) and few["dd/rows_per_dim"] == 2
     rule = SigmaMinRatioRule()
     assert rule.evaluate(few, step=1) == []
@@ -109,8 +109,8 @@ def test_a_read_from_few_rows_does_not_alert_where_many_rows_would():
     assert [a.point for a in alerts] == ["p1"]
     assert "rows per dimension" in alerts[0].message
     # under the line but the interval reaches above it: not confident, no alert
-    near = _read(0.75, 8)
-    assert near["dd/p1/sigma_min_step_hi"] > 0.8
+    near = _read(0.5, 8)
+    assert near["dd/p1/sigma_min_step_hi"] > 0.6
     rule = SigmaMinRatioRule()
     assert rule.evaluate(near, step=1) == [] and rule.undecided == {"p1": "not_confident"}
 
@@ -118,7 +118,7 @@ def test_a_read_from_few_rows_does_not_alert_where_many_rows_would():
 def test_a_log_without_intervals_is_judged_on_the_ratio():
     """Logs written before the intervals existed (no _hi keys, no rows_per_dim): the ratio
     itself decides, as it did then."""
-    old = {"dd/p1/sigma_min_step": 0.7, "dd/p1/sigma_min_ratio": 0.9}
+    old = {"dd/p1/sigma_min_step": 0.5, "dd/p1/sigma_min_ratio": 0.9}
     assert [a.point for a in SigmaMinRatioRule().evaluate(old, step=3)] == ["p1"]
 
 
@@ -150,3 +150,28 @@ def test_a_collapse_needs_the_premise_to_fail_where_it_was_measured():
     assert rule.undecided == {"p1": "contradicts_margin"}
     alerts = SigmaMinRatioRule().evaluate({**read, "dd/p1/no_cancellation_margin": -0.9}, 1)
     assert [a.point for a in alerts] == ["p1"] and "premise fails there" in alerts[0].message
+
+
+def test_a_sudden_drop_alerts_on_the_higher_floor_a_slow_dip_does_not():
+    """A step ratio of 0.5 from N/d = 8 (interval top 0.79: under 0.85, not under 0.6) alerts
+    only as a sudden drop: after a read of 1.0 at the same point, not at the first read, not
+    after 0.8 (0.5 is not under 0.6 x 0.8), and a checkpointed rule remembers the last read."""
+    low = _read(0.5, 8)
+    assert 0.6 < low["dd/p1/sigma_min_step_hi"] < 0.85
+    rule = SigmaMinRatioRule()
+    assert rule.evaluate(low, step=1) == []  # no previous read: not confident
+    restored = SigmaMinRatioRule()
+    restored.load_state_dict(SigmaMinRatioRule().state_dict())
+    rule = SigmaMinRatioRule()
+    rule.evaluate(_read(1.0, 8), step=1)
+    restored.load_state_dict(rule.state_dict())
+    for r in (rule, restored):
+        alerts = r.evaluate(low, step=2)
+        assert [a.point for a in alerts] == ["p1"]
+        assert "sudden drop from 1 at the previous read" in alerts[0].message
+    slow = SigmaMinRatioRule()
+    slow.evaluate(_read(0.8, 8), step=1)
+    assert slow.evaluate(low, step=2) == []
+    off = SigmaMinRatioRule(drop=None)
+    off.evaluate(_read(1.0, 8), step=1)
+    assert off.evaluate(low, step=2) == []

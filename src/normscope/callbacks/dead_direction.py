@@ -69,8 +69,10 @@ class DeadDirectionMonitor(MonitorCallback):
             ``residual=False`` silences it.
         max_rows_per_step: rows kept per tapped tensor per forward (seeded uniform subsample).
         alert_below: the ``sigma_min`` ratio floor of the theory (1.0).
-        tolerance: how far below ``alert_below`` a ratio may dip before it counts (default 0.2,
-            measured on the demo: see the README's "Alerts").
+        tolerance: how far below ``alert_below`` a ratio's interval may lie before it counts
+            (default 0.4, with the sudden-drop floor 0.85 of
+            :class:`~normscope.alerts.SigmaMinRatioRule`; measured on the sweeps of
+            ``benchmarks/alert_roc.py``: docs/alerts.md).
         patience: consecutive reads below the threshold before an alert.
         warmup_reads: first reads that never alert.
         kernel_residual_alert: alert when a LayerNorm layer's ``kernel_residual`` exceeds this
@@ -137,7 +139,7 @@ class DeadDirectionMonitor(MonitorCallback):
         residual: bool = True,
         max_rows_per_step: int | None = 4096,
         alert_below: float = 1.0,
-        tolerance: float = 0.2,
+        tolerance: float = 0.4,
         patience: int = 1,
         warmup_reads: int = 0,
         kernel_residual_alert: float | None = 1e-4,

@@ -19,6 +19,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from normscope.alerts import SigmaMinRatioRule
+
 __all__ = [
     "SUBLAYER_STYLE",
     "log_floor",
@@ -41,7 +43,7 @@ SUBLAYER_STYLE = {  # marker and colour of a residual point by what lies before 
 }
 KIND_COLOUR = {"layernorm": "tab:blue", "rmsnorm": "tab:orange"}
 KERNEL_ALERT = 1e-4  # the default LayerNormKernelRule max_kernel_residual
-ALERT_RATIO = 0.8  # the default SigmaMinRatioRule threshold: alert_below 1.0 - tolerance 0.2
+ALERT_RATIO = SigmaMinRatioRule().threshold  # the default rule's floor (1.0 - 0.4)
 LOG_FLOOR = 1e-18
 
 

@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         alerts = reevaluate_alerts(reads, norms, points)
         notes.append(
             f"alerts: a {log.source} log holds no alert records; the monitor's default rules "
-            "(SigmaMinRatioRule(1.0, tolerance 0.2), KernelLossRule(1e-4)) were re-evaluated "
+            "(SigmaMinRatioRule(), KernelLossRule(1e-4)) were re-evaluated "
             "over the logged reads"
         )
     if points and run_plots.logged_depths(points, reads) is None:
