@@ -261,9 +261,13 @@ def judge(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def sweep(quick: bool, rng: random.Random) -> list[Run]:
+def sweep(
+    quick: bool, rng: random.Random, offset: int = 0, n_seeds: int | None = None
+) -> list[Run]:
+    """The runs: healthy seeds ``offset ..`` (5, 1 with ``quick``), collapsing seeds
+    ``100 + offset ..`` (2, 1 with ``quick``); ``n_seeds`` overrides both counts."""
     widths = (32, 64) if quick else (64, 128, 256)
-    seeds = range(1) if quick else range(5)
+    seeds = range(offset, offset + (n_seeds or (1 if quick else 5)))
     steps = 30 if quick else 100
     healthy_sched = [(e, r) for e in ((1, 5) if quick else (1, 5, 50)) for r in (512, 4096)]
     runs = [
@@ -276,7 +280,7 @@ def sweep(quick: bool, rng: random.Random) -> list[Run]:
     kinds += [] if quick else [("ramp", 0.95)]
     for w in widths:
         for n in ("layernorm", "rmsnorm"):
-            for s in range(1 if quick else 2):
+            for s in range(offset, offset + (n_seeds or (1 if quick else 2))):
                 for kind, strength in kinds:
                     switch = rng.randint(5, 10) if quick else rng.randint(10, 40)
                     length = 15 if kind == "step" else 45
@@ -375,7 +379,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--errors", action="store_true")
     p.add_argument("--out", default=None, help="JSONL of every read (default: none)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the switch-on steps")
+    p.add_argument("--seed-offset", type=int, default=0, help="held-out runs: other seeds")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per configuration")
     p.add_argument("--judge", nargs="+", default=None, help="judge the reads of --out JSONLs")
     p.add_argument("--only", choices=("healthy", "collapse"), default=None, help="one half")
     args = p.parse_args(argv)
@@ -399,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 records += [json.loads(line) for line in fh]
         n_runs = len({r["run"] for r in records})
     else:
-        runs = sweep(args.quick, random.Random(args.seed))
+        runs = sweep(args.quick, random.Random(args.seed), args.seed_offset, args.seeds)
         if args.only:
             runs = [r for r in runs if (r.kind == "healthy") == (args.only == "healthy")]
         n_runs = len(runs)

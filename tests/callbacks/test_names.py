@@ -58,8 +58,9 @@ def test_two_named_monitors_log_their_own_keys_on_their_own_steps(two_monitor_ru
     rows = csv_rows(folder)
     keys = set(rows[0])
     assert not any(k.startswith(("dd/", "dd.")) for k in keys), "no unnamed dd/ key"
-    assert steps_of(rows, "dd[fast]/sigma_min_ratio_min") == [1, 2, 4, 6, 8]
-    assert steps_of(rows, "dd[all]/sigma_min_ratio_min") == [1, 4, 8]
+    # the baseline window is step 1 (step 0's forward finds the stream), logged at 2
+    assert steps_of(rows, "dd[fast]/sigma_min_ratio_min") == [2, 4, 6, 8]
+    assert steps_of(rows, "dd[all]/sigma_min_ratio_min") == [2, 4, 8]
     # each family one row per read: no step twice, no row holding both families
     for row in rows:
         families = {parse_family(k.split("/", 1)[0])[1] for k in row if row[k] not in ("", None)}
@@ -68,7 +69,7 @@ def test_two_named_monitors_log_their_own_keys_on_their_own_steps(two_monitor_ru
     assert "dd[fast]/model.h.0.ln_1/gamma_alignment" in keys
     assert "dd[fast]/model.ln_f/gamma_alignment" not in keys
     assert "dd[all]/model.ln_f/gamma_alignment" in keys
-    assert fast.reads == 5 and full.reads == 3
+    assert fast.reads == 4 and full.reads == 3
     assert "dd[fast]/sigma_min_ratio_min" in trainer.callback_metrics
     assert "dd[all]/sigma_min_ratio_min" in trainer.callback_metrics
     assert fast.state_key != full.state_key
@@ -109,7 +110,7 @@ def test_monitors_differing_only_in_tolerance_coexist(tmp_path):
     trainer = cpu_trainer(4, [loose, strict])
     with pytest.warns(UserWarning, match=r"log the same keys.*name="):
         trainer.fit(LitTiny(), train_dataloaders=token_loader())
-    assert loose.reads == strict.reads == 3  # no refusal from Lightning: both read
+    assert loose.reads == strict.reads == 2  # no refusal from Lightning: both read
     assert strict.sigma_rule.threshold == pytest.approx(0.95)
 
 
@@ -124,18 +125,18 @@ def test_checkpoint_resumes_each_monitor_with_its_own_state(tmp_path):
     first = monitors()
     trainer = cpu_trainer(6, first)
     quiet_fit(trainer, LitTiny())
-    assert [m.reads for m in first] == [4, 3]  # fast: steps 1, 2, 4, 6; slow: 1, 3, 6
+    assert [m.reads for m in first] == [3, 3]  # logged at fast: 2, 4, 6; slow: 2, 3, 6
     ckpt = tmp_path / "six.ckpt"
     trainer.save_checkpoint(ckpt)
     states = torch.load(ckpt, weights_only=False)["callbacks"]
     assert {m.state_key for m in first} <= set(states)
-    assert [states[m.state_key]["reads"] for m in first] == [4, 3]
+    assert [states[m.state_key]["reads"] for m in first] == [3, 3]
 
     second = monitors()
     trainer = cpu_trainer(10, second)
     quiet_fit(trainer, LitTiny(), ckpt_path=str(ckpt))
     # each restored its own counters, then read on: fast at 8 and 10, slow at 9
-    assert [m.reads for m in second] == [6, 4]
+    assert [m.reads for m in second] == [5, 4]
     assert [m.last_read_step for m in second] == [10, 9]
     assert all(m._baselines or m.tracker.baselines for m in second)
 
@@ -195,14 +196,14 @@ def test_report_reads_a_named_family(two_monitor_run, tmp_path):
     code, stdout, stderr = run_cli("report", folder, "--out", tmp_path / "fast", "--name", "fast")
     assert code == 0, stderr
     result = load_json(tmp_path / "fast" / "report.json")
-    assert [r["step"] for r in result["reads"]] == ["1", "2", "4", "6", "8"]
+    assert [r["step"] for r in result["reads"]] == ["2", "4", "6", "8"]
     assert result["monitor"] == "fast" and result["monitors"] == ["all", "fast"]
     assert "model.ln_f" not in result["norms"]
     assert any("other monitors in this run: all" in n for n in result["notes"])
     code, _, stderr = run_cli("report", folder, "--out", tmp_path / "all", "--name", "all")
     assert code == 0, stderr
     assert [r["step"] for r in load_json(tmp_path / "all" / "report.json")["reads"]] == [
-        "1",
+        "2",
         "4",
         "8",
     ]
@@ -235,8 +236,8 @@ def test_wandb_run_holds_both_families_and_their_summaries(tmp_path, monkeypatch
             break
         time.sleep(0.25)
     steps, _ = run.series("dd[fast]/sigma_min_ratio_min")
-    assert steps.tolist() == [1, 2, 3, 4]
-    assert run.series("dd[all]/sigma_min_ratio_min")[0].tolist() == [1, 2, 4]
+    assert steps.tolist() == [2, 3, 4]
+    assert run.series("dd[all]/sigma_min_ratio_min")[0].tolist() == [2, 4]
     assert not any(k.startswith("dd/") for k in run.keys())
     assert any(k.startswith("sm/") for k in run.keys())
     ratios = run.series("dd[all]/sigma_min_ratio_min")[1]

@@ -216,7 +216,7 @@ def test_sigma_over_steps_shows_p0_and_says_when_it_alerted(tmp_path: Path) -> N
     assert colour_share(pixels, RED) > 0.0005  # the alert lines and the threshold
     assert run_plots.sigma_verdict(reads, alerts) == "2 alerts, the first at step 30"
     assert run_plots.sigma_verdict(reads, []) == (
-        "no alert; lowest sigma_min_step_min 0.3 (step 30), threshold 0.8"
+        "no alert; lowest sigma_min_step_min 0.3 (step 30), threshold 0.6"
     )
     assert run_plots.sigma_verdict({1.0: {}}, []) == "no alert"
 

@@ -88,9 +88,10 @@ def test_a_stop_decision_taken_on_one_rank_stops_both(distributed_run):
 
 def test_a_collapse_on_one_rank_alerts_once_and_stops_both(distributed_run):
     """From step 3 rank 1's block 1 cancels 95% of the stream; rank 0 stays healthy. The read
-    is global (half the rows collapsed: step ratio about 0.70, healthy reads >= 0.88), so the
-    alert fires on both ranks at the next read (step 4), both stop there, and only rank 0
-    delivers it to the sinks."""
+    is global (half the rows collapsed: step ratio about 0.70, healthy reads >= 0.93; the fit
+    sets the floor to 0.9, since half the rows cannot take the pooled ratio under the default
+    0.6), so the alert fires on both ranks at the next read (step 4), both stop there, and
+    only rank 0 delivers it to the sinks."""
     rank0, rank1 = (distributed_run["results"]["stop", r] for r in (0, 1))
     for result in (rank0, rank1):
         assert result["global_step"] == 4

