@@ -29,9 +29,32 @@ from torch import nn
 
 from normscope.functional.covariance import StreamingCovariance
 from normscope.taps.chain import PointChain
-from normscope.taps.residual import tap_input, tap_output
 
-__all__ = ["Gate", "Tap", "TapSet", "in_backward_recompute"]
+__all__ = ["Gate", "Tap", "TapSet", "in_backward_recompute", "tap_input", "tap_output"]
+
+
+def tap_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tensor a forward pre-hook taps: the first positional argument, else the first of the
+    keywords ``hidden_states``, ``input`` (``nn.LayerNorm(input=x)``), ``x`` that holds a tensor."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    for name in _INPUT_KEYWORDS:
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+_INPUT_KEYWORDS = ("hidden_states", "input", "x")
+
+
+def tap_output(output: object) -> torch.Tensor | None:
+    """The tensor a forward hook taps: the output, or its first element if it is a tuple."""
+    if hasattr(output, "to_tuple"):  # a transformers ModelOutput
+        output = output.to_tuple()
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    return output if isinstance(output, torch.Tensor) else None
 
 
 def in_backward_recompute() -> bool:
