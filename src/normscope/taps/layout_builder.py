@@ -9,7 +9,7 @@ from normscope.taps.stack_trace import _StackTrace
 
 _POST_NORM_NOTE = (
     "post-norm blocks: the residual stream is the norms' outputs, so the profile is taken over "
-    "block outputs (where='output'); the sigma_min theory of METRICS.md §1.4 assumes pre-norm "
+    "block outputs (where='output'); the sigma_min theory of docs/metrics.md §1.4 assumes pre-norm "
     "identity skips and does not apply as stated"
 )
 
