@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from normscope.alerts import KernelLossRule, SigmaMinRatioRule, SourceCollapseRule
+from normscope.alerts import SourceCollapseRule, default_dead_direction_rules
 from normscope.cli import render, run_plots
 from normscope.cli.errors import CLIError
 from normscope.monitors.names import canonical_metrics, family_names
@@ -123,16 +123,12 @@ def reevaluate_alerts(
 
     Post-norm logs (every point after ``p_0`` named ``<block>.output``) get no sigma_min rule,
     as in the monitor. Returns ``{"step", "title", "text", "level", "origin"}`` dicts."""
-    kernel = KernelLossRule()
-    kernel.kinds = _declared_kinds(norms, reads)
-    rules: list[Any] = [kernel]
     post_norm = len(points) > 1 and all(p.endswith(".output") for p in points[1:])
-    if not post_norm:
-        sigma = SigmaMinRatioRule()
-        sigma.sublayers = {p: None for p in points}  # depth order for the upstream rule
-        rules.insert(0, sigma)
-        if log_sources(reads):
-            rules.insert(1, SourceCollapseRule(sigma))
+    rules = default_dead_direction_rules(
+        _declared_kinds(norms, reads),
+        None if post_norm else {p: None for p in points},  # depth order for the upstream rule
+        sources=bool(log_sources(reads)),
+    )
     out = []
     for step, values in reads.items():
         for rule in rules:

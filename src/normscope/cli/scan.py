@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import normscope
-from normscope.alerts import Alert, KernelLossRule, SigmaMinRatioRule, SourceCollapseRule
+from normscope.alerts import Alert, default_dead_direction_rules
 from normscope.cli import plots, render
 from normscope.cli.data import TokenData, make_batches
 from normscope.cli.errors import CLIError
@@ -245,17 +245,12 @@ def default_alerts(report: DeadDirectionReport) -> list[Alert]:
     """The monitor's default rules on the scan's one read (no sigma_min rule on post-norm
     models, whose profile the theory does not cover)."""
     metrics = report.as_dict()
-    kernel = KernelLossRule()
-    kernel.kinds = {name: n.kind for name, n in report.norms.items()}
-    rules: list[Any] = [kernel]
+    sublayers = None
     if report.profile is not None and (report.layout is None or report.layout.style != "post-norm"):
-        sigma = SigmaMinRatioRule()
-        sigma.sublayers = {p.name: p.sublayer for p in report.profile.points}
-        rules.insert(0, sigma)
-        if report.sources:
-            by_source = SourceCollapseRule(sigma)
-            by_source.sublayers = sigma.sublayers
-            rules.insert(1, by_source)
+        sublayers = {p.name: p.sublayer for p in report.profile.points}
+    rules = default_dead_direction_rules(
+        {name: n.kind for name, n in report.norms.items()}, sublayers, sources=bool(report.sources)
+    )
     return [a for rule in rules for a in rule.evaluate(metrics, 0)]
 
 
