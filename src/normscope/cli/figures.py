@@ -17,6 +17,7 @@ __all__ = [
     "ALERT_RATIO",
     "DPI",
     "KERNEL_ALERT",
+    "KERNEL_ALERT_LABEL",
     "log_floor",
     "new_figure",
     "save",
@@ -26,6 +27,7 @@ __all__ = [
 
 DPI = 110
 KERNEL_ALERT = KernelLossRule().max_kernel_residual  # the default rule's max_kernel_residual
+KERNEL_ALERT_LABEL = f"{KERNEL_ALERT:.0e}".replace("e-0", "e-")  # "1e-4"
 ALERT_RATIO = SigmaMinRatioRule().threshold  # the default rule's floor (1.0 - 0.4)
 LOG_FLOOR = 1e-18
 

@@ -20,8 +20,17 @@ import numpy as np
 from normscope.cli.figures import ALERT_RATIO as ALERT_RATIO
 from normscope.cli.figures import DPI as DPI
 from normscope.cli.figures import KERNEL_ALERT as KERNEL_ALERT
+from normscope.cli.figures import (
+    KERNEL_ALERT_LABEL,
+    _finite,
+    _ticks,
+    log_floor,
+    new_figure,
+    save,
+    short_names,
+    titled,
+)
 from normscope.cli.figures import LOG_FLOOR as LOG_FLOOR
-from normscope.cli.figures import _finite, _ticks, log_floor, new_figure, save, short_names, titled
 from normscope.cli.spectrum_plots import NULL_TOL as NULL_TOL
 from normscope.cli.spectrum_plots import plot_spectrum
 from normscope.cli.spectrum_plots import spectrum_highlights as spectrum_highlights
@@ -186,7 +195,7 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
     panels = (
         (top, distance, "1 - gamma_alignment", [(1 - 0.9999, "0.9999 alignment")],
          "gamma off the kernel direction"),
-        (bottom, resid, "kernel_residual", [(KERNEL_ALERT, "1e-4 kernel-loss alert")],
+        (bottom, resid, "kernel_residual", [(KERNEL_ALERT, f"{KERNEL_ALERT_LABEL} kernel-loss alert")],
          "kernel lost (a LayerNorm alerts)"),
     )  # fmt: skip
     dims = [n.get("dim") for n in norms if n.get("dim")]
