@@ -11,15 +11,30 @@ marker, never dropped.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
-from normscope.alerts import SigmaMinRatioRule
+from normscope.cli.figures import ALERT_RATIO as ALERT_RATIO
+from normscope.cli.figures import DPI as DPI
+from normscope.cli.figures import KERNEL_ALERT as KERNEL_ALERT
+from normscope.cli.figures import (
+    KERNEL_ALERT_LABEL,
+    _finite,
+    _ticks,
+    log_floor,
+    new_figure,
+    save,
+    short_names,
+    titled,
+)
+from normscope.cli.figures import LOG_FLOOR as LOG_FLOOR
+from normscope.cli.spectrum_plots import NULL_TOL as NULL_TOL
+from normscope.cli.spectrum_plots import plot_spectrum
+from normscope.cli.spectrum_plots import spectrum_highlights as spectrum_highlights
+from normscope.cli.spectrum_plots import spectrum_verdict as spectrum_verdict
 
 __all__ = [
     "SUBLAYER_STYLE",
@@ -34,7 +49,6 @@ __all__ = [
     "titled",
 ]
 
-DPI = 110
 SUBLAYER_STYLE = {  # marker and colour of a residual point by what lies before it
     None: ("o", "black", "p_0 (stream entry)"),
     "attn": ("o", "tab:blue", "after attention"),
@@ -42,115 +56,6 @@ SUBLAYER_STYLE = {  # marker and colour of a residual point by what lies before 
     "block": ("^", "tab:green", "after a block"),
 }
 KIND_COLOUR = {"layernorm": "tab:blue", "rmsnorm": "tab:orange"}
-KERNEL_ALERT = 1e-4  # the default LayerNormKernelRule max_kernel_residual
-ALERT_RATIO = SigmaMinRatioRule().threshold  # the default rule's floor (1.0 - 0.4)
-LOG_FLOOR = 1e-18
-
-
-def new_figure(width: float = 9.0, height: float = 4.8) -> Figure:
-    """A figure on an Agg canvas (PNG output without pyplot or a display)."""
-    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def save(fig: Figure, path: str | Path) -> Path:
-    path = Path(path)
-    fig.savefig(path, format="png", dpi=DPI)
-    return path
-
-
-def short_names(names: Sequence[str]) -> list[str]:
-    """Module paths without their common dotted prefix and suffix (``encoder.layer.0.output``
-    -> ``0.output``; ``...attention.output.LayerNorm`` -> ``...attention.output``) and, when a
-    label is still long, with the prefix most of them share cut to its last part, so that tick
-    labels stay readable; the labels stay distinct.
-
-    Example::
-
-        >>> short_names(["model.h.0.ln_1", "model.h.1.ln_2", "model.ln_f"])
-        ['h.0.ln_1', 'h.1.ln_2', 'ln_f']
-        >>> short_names(["embeddings.LayerNorm", "encoder.layer.0.output.LayerNorm"])
-        ['embeddings', 'encoder.layer.0.output']
-        >>> short_names(["embeddings.LayerNorm", "encoder.layer.0.attention.output.LayerNorm",
-        ...              "encoder.layer.0.output.LayerNorm"])
-        ['embeddings', 'layer.0.attention.output', 'layer.0.output']
-    """
-    parts = [n.split(".") for n in names]
-    if len(parts) < 2:
-        return list(names)
-    head = 0
-    while all(len(p) > head + 1 for p in parts) and len({p[head] for p in parts}) == 1:
-        head += 1
-    parts = [p[head:] for p in parts]
-    tail = 0
-    while all(len(p) > tail + 1 for p in parts) and len({p[-1 - tail] for p in parts}) == 1:
-        tail += 1
-    cut = [".".join(p[: len(p) - tail]) for p in parts]
-    cut = cut if len(set(cut)) == len(cut) else [".".join(p) for p in parts]
-    return _majority_prefix_cut(cut)
-
-
-def _majority_prefix_cut(labels: list[str], longest: int = 24) -> list[str]:
-    """When a label is over ``longest`` characters, the dotted prefix most labels share is cut
-    to its last part (``encoder.layer.0.output`` -> ``layer.0.output`` next to ``embeddings``),
-    as long as the labels stay distinct."""
-    if max(map(len, labels), default=0) <= longest:
-        return labels
-    parts = [label.split(".") for label in labels]
-    shares = {
-        tuple(p[:size]): sum(q[:size] == p[:size] for q in parts)
-        for p in parts
-        for size in range(2, len(p))
-    }  # the most shared prefix wins, the shorter on a tie
-    shared = [(-n, len(head), head) for head, n in shares.items() if n > len(parts) / 2]
-    if not shared:
-        return labels
-    best = min(shared)[2]
-    cut = [
-        ".".join(p[len(best) - 1 :]) if tuple(p[: len(best)]) == best else ".".join(p)
-        for p in parts
-    ]
-    return cut if len(set(cut)) == len(cut) else labels
-
-
-def titled(title: str, verdict: str, width: int = 90) -> str:
-    """``title`` over the ``verdict`` (its ``"; "``-separated parts packed into lines of at
-    most ``width`` characters), so that a long conclusion wraps instead of leaving the figure.
-
-    Example::
-
-        >>> titled("GPT", "3 layers; no alert; dead channels: 2 in ln_f", width=20)
-        'GPT\\n3 layers; no alert;\\ndead channels: 2 in ln_f'
-    """
-    lines: list[str] = []
-    for part in verdict.split("; "):
-        if lines and len(lines[-1]) + 2 + len(part) <= width:
-            lines[-1] += "; " + part
-        else:
-            if lines:
-                lines[-1] += ";"
-            lines.append(part)
-    return "\n".join([title, *lines])
-
-
-def _finite(values: Iterable[Any]) -> np.ndarray:
-    return np.array([v if isinstance(v, (int, float)) else math.nan for v in values], dtype=float)
-
-
-def log_floor(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-    """``(values with <= 0 raised to a floor, mask of the raised ones, the floor)``."""
-    positive = values[np.isfinite(values) & (values > 0)]
-    floor = float(positive.min()) / 10 if positive.size else 1e-3
-    floor = max(floor, LOG_FLOOR)
-    low = np.isfinite(values) & (values <= floor)
-    return np.where(low, floor, values), low, floor
-
-
-def _ticks(ax: Any, labels: Sequence[str]) -> None:
-    ax.set_xticks(range(len(labels)))
-    size = 8 if len(labels) <= 30 else 6
-    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=size)
 
 
 def plot_profile(
@@ -161,7 +66,7 @@ def plot_profile(
     baseline_label: str = "random-init twin",
 ) -> Path:
     """``sigma_min_ratio`` against depth (markers by sublayer), the step ratio, the twin's
-    ratio when present, the floor at 1 and the default alert threshold (0.8)."""
+    ratio when present, the floor at 1 and the default rule's alert threshold (``ALERT_RATIO``)."""
     fig = new_figure()
     ax = fig.add_subplot()
     depth = np.arange(len(profile))
@@ -290,7 +195,7 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
     panels = (
         (top, distance, "1 - gamma_alignment", [(1 - 0.9999, "0.9999 alignment")],
          "gamma off the kernel direction"),
-        (bottom, resid, "kernel_residual", [(KERNEL_ALERT, "1e-4 kernel-loss alert")],
+        (bottom, resid, "kernel_residual", [(KERNEL_ALERT, f"{KERNEL_ALERT_LABEL} kernel-loss alert")],
          "kernel lost (a LayerNorm alerts)"),
     )  # fmt: skip
     dims = [n.get("dim") for n in norms if n.get("dim")]
@@ -331,141 +236,6 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
     for tick, is_dead in zip(bottom.get_xticklabels(), dead):
         if is_dead:
             tick.set_color("tab:red")
-    return save(fig, path)
-
-
-NULL_TOL = 1e-10  # the scan's null_tol: eigenvalues at or below it over lambda_d are null
-
-
-def _null_count(n: Mapping[str, Any], values: np.ndarray) -> int:
-    null_dim = n.get("null_dim")
-    if isinstance(null_dim, (int, float)) and math.isfinite(null_dim):
-        return int(null_dim)
-    return int(np.sum(np.isfinite(values) & (values <= NULL_TOL)))
-
-
-def spectrum_highlights(norms: Sequence[Mapping[str, Any]]) -> dict[int, str]:
-    """Which layers ``spectrum.png`` draws in colour, ``{index: role}``: the first, the final
-    norm and the worst in between -- the most null eigenvalues, then the lowest live one
-    (nearest to losing its gap) --; the rest are drawn grey.
-
-    Example::
-
-        >>> spectrum_highlights([
-        ...     {"bottom_eigenvalues": [1e-16, 1e-3], "null_dim": 1},
-        ...     {"bottom_eigenvalues": [1e-17, 1e-18, 1e-4], "null_dim": 2},
-        ...     {"bottom_eigenvalues": [1e-16, 2e-3], "null_dim": 1},
-        ...     {"bottom_eigenvalues": [1e-16, 5e-3], "null_dim": 1}])
-        {0: 'first', 3: 'final', 1: 'worst'}
-    """
-    has = [i for i, n in enumerate(norms) if _finite(n.get("bottom_eigenvalues") or []).size]
-    if not has:
-        return {}
-    roles = {has[0]: "first", has[-1]: "final"}
-
-    def badness(i: int) -> tuple[int, float]:
-        values = _finite(norms[i]["bottom_eigenvalues"])
-        null = _null_count(norms[i], values)
-        live = values[np.isfinite(values) & (values > NULL_TOL)]
-        return null, -(float(live.min()) if live.size else math.inf)
-
-    inner = [i for i in has if i not in roles]
-    if inner:
-        roles[max(inner, key=badness)] = "worst"
-    return roles
-
-
-def spectrum_verdict(norms: Sequence[Mapping[str, Any]]) -> str:
-    """The line under ``spectrum.png``'s title: how many layers have how many null eigenvalues
-    (the LayerNorm kernel is one; each dead channel adds one) and the lowest live eigenvalue,
-    i.e. the gap a null direction stands out by.
-
-    Example::
-
-        >>> spectrum_verdict([
-        ...     {"name": "h.0.ln", "bottom_eigenvalues": [1e-16, 1e-3], "null_dim": 1},
-        ...     {"name": "h.1.ln", "bottom_eigenvalues": [1e-16, 2e-4], "null_dim": 1},
-        ...     {"name": "ln_f", "bottom_eigenvalues": [0.0, 0.0, 1e-3], "null_dim": 2}])
-        '2 layers: 1 null eigenvalue; ln_f: 2 null; lowest live eigenvalue 2e-04 (h.1.ln)'
-    """
-    names = short_names([n["name"] for n in norms]) if norms else []
-    counts: dict[int, list[str]] = {}
-    dead = {name: n.get("dead_channels") for n, name in zip(norms, names)}
-    low, where = math.inf, None
-    for n, name in zip(norms, names):
-        values = _finite(n.get("bottom_eigenvalues") or [])
-        if not values.size:
-            continue
-        counts.setdefault(_null_count(n, values), []).append(name)
-        live = values[np.isfinite(values) & (values > NULL_TOL)]
-        if live.size and live.min() < low:
-            low, where = float(live.min()), name
-    if not counts:
-        return "no spectrum: too few rows"
-    common = max(counts, key=lambda c: len(counts[c]))
-    plural = "s" if common != 1 else ""
-    parts = [f"{len(counts[common])} layer{'s' if len(counts[common]) > 1 else ''}: "
-             f"{common} null eigenvalue{plural}"]  # fmt: skip
-    for c, who in sorted(counts.items()):
-        if c != common:
-            parts.append(f"{', '.join(who[:3])}{' ...' if len(who) > 3 else ''}: {c} null")
-            if len(who) == 1 and dead.get(who[0]):
-                parts[-1] += f" ({dead[who[0]]} dead channels)"
-    if where is not None:
-        parts.append(f"lowest live eigenvalue {low:.0e} ({where})")
-    return "; ".join(parts)
-
-
-def plot_spectrum(norms: Sequence[Mapping[str, Any]], path: str | Path, *, title: str) -> Path:
-    """The smallest eigenvalues of each norm's output covariance over its largest, against
-    their rank ``k`` (log axis): the first layer, the final norm and the worst one
-    (:func:`spectrum_highlights`) in colour, the others grey; the null region below
-    ``null_tol`` (1e-10) shaded. The title says how many null eigenvalues the layers have
-    and how far the live ones sit above them (:func:`spectrum_verdict`)."""
-    fig = new_figure(9.0, 4.8)
-    ax = fig.add_subplot()
-    ax.set_yscale("log")
-    labels = short_names([n["name"] for n in norms])
-    roles = spectrum_highlights(norms)
-    style = {"first": "tab:blue", "worst": "tab:orange", "final": "tab:purple"}
-    greys = 0
-    lowest, highest, longest = math.inf, 0.0, 1
-    drawn = []
-    for i, (n, label) in enumerate(zip(norms, labels)):
-        values = _finite(n.get("bottom_eigenvalues") or [])
-        if not values.size or not np.isfinite(values).any():
-            continue
-        values, low, floor = log_floor(values)
-        lowest, highest = min(lowest, floor), max(highest, float(np.nanmax(values)))
-        longest = max(longest, len(values))
-        drawn.append((i, values, low, label, _null_count(n, _finite(n["bottom_eigenvalues"]))))
-    for i, values, low, label, null in sorted(drawn, key=lambda d: d[0] in roles):
-        k = np.arange(1, len(values) + 1)
-        role = roles.get(i)
-        if role is None:
-            greys += 1
-            ax.plot(k, values, "-", color="0.75", lw=1, zorder=1,
-                    label=None if greys > 1 else "other layers")  # fmt: skip
-        else:
-            ax.plot(k, values, "-o", ms=4, lw=1.8, color=style[role], zorder=3,
-                    label=f"{role}: {label} ({null} null)")  # fmt: skip
-        if low.any():
-            ax.scatter(k[low], values[low], marker="v", color="tab:red", s=30, zorder=4,
-                       label=None)  # fmt: skip
-    if drawn:
-        bottom = min(lowest, NULL_TOL / 100) / 3  # the null region always shows, empty or not
-        ax.set_ylim(bottom, highest * 10)
-        ax.axhspan(bottom, NULL_TOL, color="tab:red", alpha=0.06, lw=0)
-        ax.set_xticks(range(1, longest + 1))
-    ax.axhline(NULL_TOL, color="tab:red", lw=0.8, ls="--",
-               label=f"null_tol {NULL_TOL:g}: below, null (kernel, dead channels)")  # fmt: skip
-    ax.set_xlabel("k (k-th smallest eigenvalue of the output covariance C)")
-    ax.set_ylabel("lambda_k / lambda_d")
-    ax.set_title(titled(title, spectrum_verdict(norms)), fontsize=9)
-    handles, names = ax.get_legend_handles_labels()
-    names = [f"other {greys} layers" if n == "other layers" else n for n in names]
-    ax.legend(handles, names, fontsize=8, loc="lower right")
-    ax.grid(alpha=0.3)
     return save(fig, path)
 
 

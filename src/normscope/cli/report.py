@@ -23,9 +23,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from normscope.alerts import KernelLossRule, SigmaMinRatioRule, SourceCollapseRule
+from normscope.alerts import SourceCollapseRule, default_dead_direction_rules
 from normscope.cli import render, run_plots
 from normscope.cli.errors import CLIError
+from normscope.cli.figures import KERNEL_ALERT, KERNEL_ALERT_LABEL
 from normscope.monitors.names import canonical_metrics, family_names
 
 __all__ = ["depth_order", "merge_reads", "reevaluate_alerts", "run"]
@@ -123,16 +124,12 @@ def reevaluate_alerts(
 
     Post-norm logs (every point after ``p_0`` named ``<block>.output``) get no sigma_min rule,
     as in the monitor. Returns ``{"step", "title", "text", "level", "origin"}`` dicts."""
-    kernel = KernelLossRule()
-    kernel.kinds = _declared_kinds(norms, reads)
-    rules: list[Any] = [kernel]
     post_norm = len(points) > 1 and all(p.endswith(".output") for p in points[1:])
-    if not post_norm:
-        sigma = SigmaMinRatioRule()
-        sigma.sublayers = {p: None for p in points}  # depth order for the upstream rule
-        rules.insert(0, sigma)
-        if log_sources(reads):
-            rules.insert(1, SourceCollapseRule(sigma))
+    rules = default_dead_direction_rules(
+        _declared_kinds(norms, reads),
+        None if post_norm else {p: None for p in points},  # depth order for the upstream rule
+        sources=bool(log_sources(reads)),
+    )
     out = []
     for step, values in reads.items():
         for rule in rules:
@@ -264,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         alerts = reevaluate_alerts(reads, norms, points)
         notes.append(
             f"alerts: a {log.source} log holds no alert records; the monitor's default rules "
-            "(SigmaMinRatioRule(), KernelLossRule(1e-4)) were re-evaluated "
+            f"(SigmaMinRatioRule(), KernelLossRule({KERNEL_ALERT_LABEL})) were re-evaluated "
             "over the logged reads"
         )
     if points and run_plots.logged_depths(points, reads) is None:
@@ -364,7 +361,10 @@ def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str) -> d
             "schur.png": ("Delta_gamma and deepening over steps", [
                 ("delta_gamma", "Delta_gamma", False), ("deepening", "deepening", True)]),
         }  # fmt: skip
-        lines = {"gamma_alignment": [(0.9999, "0.9999")], "kernel_residual": [(1e-4, "1e-4 alert")]}
+        lines = {
+            "gamma_alignment": [(0.9999, "0.9999")],
+            "kernel_residual": [(KERNEL_ALERT, f"{KERNEL_ALERT_LABEL} alert")],
+        }
         for file, (caption, spec) in panels.items():
             run_plots.plot_norm_metrics(
                 reads, norms, spec, alerts, out / file, title=f"{name}: {caption}", hlines=lines

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -22,25 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
-import normscope
-from normscope.alerts import Alert, KernelLossRule, SigmaMinRatioRule, SourceCollapseRule
-from normscope.cli import plots, render
+from normscope.cli import render
 from normscope.cli.data import TokenData, make_batches
 from normscope.cli.errors import CLIError
-from normscope.cli.loading import LoadedModel, load_model
+from normscope.cli.loading import load_model
 from normscope.cli.options import DEFAULT_TOKENS
+from normscope.cli.scan_result import PLOTS as PLOTS
+from normscope.cli.scan_result import default_alerts, scan_result, write_scan_outputs
 from normscope.monitors.dead_direction import DeadDirectionReport
 from normscope.monitors.scan import scan_model
 from normscope.taps.norms import NormDiscoveryError, find_norm_layers
 
 __all__ = ["default_alerts", "format_scan_table", "run", "scan_result", "write_scan_outputs"]
-
-PLOTS = {
-    "sigma_min_profile.png": "sigma_min ratio against depth",
-    "alignment.png": "gamma_alignment and kernel_residual per layer",
-    "spectrum.png": "bottom of each norm's eigen-spectrum",
-    "gamma.png": "gamma distributions",
-}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -241,214 +233,6 @@ def _gammas(model: nn.Module, names: list[str]) -> dict[str, Any]:
         return {n.name: n.gamma().cpu().numpy() for n in find_norm_layers(model, names)}
 
 
-def default_alerts(report: DeadDirectionReport) -> list[Alert]:
-    """The monitor's default rules on the scan's one read (no sigma_min rule on post-norm
-    models, whose profile the theory does not cover)."""
-    metrics = report.as_dict()
-    kernel = KernelLossRule()
-    kernel.kinds = {name: n.kind for name, n in report.norms.items()}
-    rules: list[Any] = [kernel]
-    if report.profile is not None and (report.layout is None or report.layout.style != "post-norm"):
-        sigma = SigmaMinRatioRule()
-        sigma.sublayers = {p.name: p.sublayer for p in report.profile.points}
-        rules.insert(0, sigma)
-        if report.sources:
-            by_source = SourceCollapseRule(sigma)
-            by_source.sublayers = sigma.sublayers
-            rules.insert(1, by_source)
-    return [a for rule in rules for a in rule.evaluate(metrics, 0)]
-
-
-# ------------------------------------------------------------------------------ the result
-def _num(value: Any) -> float | None:
-    """A float for JSON: NaN and infinities become None."""
-    if value is None:
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
-def scan_result(
-    loaded: LoadedModel,
-    report: DeadDirectionReport,
-    twin: DeadDirectionReport | None,
-    data: Any,
-    args: argparse.Namespace,
-    notes: list[str],
-) -> dict[str, Any]:
-    """The scan as plain data: what ``report.json`` holds and every renderer reads."""
-    norms = []
-    for name, n in report.norms.items():
-        t = twin.norms.get(name) if twin is not None else None
-        norms.append(
-            {
-                "name": name,
-                "kind": n.kind,
-                "dim": n.gamma.dim,
-                "gamma_min": _num(n.gamma.gamma_min),
-                "gamma_max": _num(n.gamma.gamma_max),
-                "gamma_spread": _num(n.gamma.gamma_spread),
-                "dead_channels": n.gamma.dead_channels,
-                "dead_index": list(n.gamma.dead_index),
-                "gamma_alignment": _num(n.kernel.gamma_alignment),
-                "kernel_residual": _num(n.kernel.kernel_residual),
-                "null_dim": _num(n.kernel.null_dim),
-                "subspace_alignment": _num(n.kernel.subspace_alignment),
-                "live_floor": _num(n.kernel.live_floor),
-                "norm_class": n.kernel.norm_class,
-                "kind_mismatch": bool(n.kernel.kind_mismatch),
-                "schur_quotient": _num(n.schur.schur_quotient),
-                "schur_complement": _num(n.schur.schur_complement),
-                # against the random-init twin; with --baseline none there is nothing to compare
-                "delta_gamma": _num(n.schur.delta_gamma) if twin is not None else None,
-                "deepening": _num(n.deepening) if twin is not None else None,
-                "delta_reason": n.schur.delta_reason if twin is not None else "no_baseline",
-                "n_rows": n.n_rows,
-                "bottom_eigenvalues": [_num(v) for v in n.kernel.bottom_eigenvalues],
-                "reason": n.kernel.reason or n.schur.reason or n.gamma.reason,
-                "baseline": None
-                if t is None
-                else {
-                    "gamma_alignment": _num(t.kernel.gamma_alignment),
-                    "kernel_residual": _num(t.kernel.kernel_residual),
-                    "schur_quotient": _num(t.schur.schur_quotient),
-                    "schur_complement": _num(t.schur.schur_complement),
-                },
-            }
-        )
-    profile = []
-    twin_points = {p.name: p for p in twin.profile.points} if twin and twin.profile else {}
-    margins = report.profile.no_cancellation_margin if report.profile is not None else ()
-    for p, margin in zip(report.profile.points if report.profile is not None else (), margins):
-        tp = twin_points.get(p.name)
-        profile.append(
-            {
-                "name": p.name,
-                "depth": p.depth,
-                "sublayer": p.sublayer,
-                "sigma_min": _num(p.sigma_min),
-                "sigma_min_ratio": _num(p.sigma_min_ratio),
-                "sigma_min_step": _num(p.sigma_min_step),
-                "no_cancellation_margin": _num(margin),
-                "n_rows": p.n_rows,
-                "reason": p.reason,
-                "baseline_ratio": _num(tp.sigma_min_ratio) if tp else None,
-                "baseline_step": _num(tp.sigma_min_step) if tp else None,
-            }
-        )
-    metrics = report.as_dict()
-    layout = report.layout
-    return {
-        "command": "scan",
-        "normscope_version": normscope.__version__,
-        "model": {
-            "name": loaded.name,
-            "class": loaded.class_name,
-            "source": loaded.source,
-            "tokenizer": loaded.tokenizer_name,
-        },
-        "data": {
-            "source": data.source,
-            "tokens": data.tokens,
-            "windows": data.windows,
-            "seq_len": data.seq_len,
-            "batches": len(data.batches),
-        },
-        "baseline": {
-            "kind": args.baseline,
-            "seed": args.seed if twin is not None else None,
-            "how": loaded.twin_how if twin is not None else None,
-        },
-        "layout": None
-        if layout is None
-        else {"style": layout.style, "final_norm": layout.final_norm, "notes": list(layout.notes)},
-        "norms": norms,
-        "profile": profile,
-        "summary": {
-            "sigma_min_ratio_min": _num(metrics.get("dd/sigma_min_ratio_min")),
-            "sigma_min_step_min": _num(metrics.get("dd/sigma_min_step_min")),
-            "worst_point": report.profile.worst_point if report.profile is not None else None,
-            "gamma_alignment_min": _num(metrics.get("dd/gamma_alignment_min")),
-            "rows_rejected": report.rows_rejected,
-        },
-        "alerts": [a.as_dict() for a in default_alerts(report)],
-        "sources": _sources_result(report),
-        "collapses": [
-            {
-                "point": c.point,
-                "depth": c.depth,
-                "class": c.kind,
-                "below": list(c.below),
-                "above": list(c.above),
-                "undecided": list(c.undecided),
-                "pooled_below": c.pooled_below,
-                "values": {s: _num(v) for s, v in c.values.items()},
-            }
-            for c in report.collapses
-        ],
-        "notes": notes + (list(layout.notes) if layout is not None else []),
-        "failed_taps": dict(report.failed_taps),
-        "metrics": {k: _num(v) for k, v in metrics.items()},
-        "files": [],
-    }
-
-
-def _sources_result(report: DeadDirectionReport) -> dict[str, Any]:
-    """Each source's profile, as the pooled ``profile`` entries (no baseline columns)."""
-    out: dict[str, Any] = {}
-    for name, profile in report.sources.items():
-        out[name] = {
-            "sigma_min_ratio_min": _num(profile.sigma_min_ratio_min),
-            "worst_point": profile.worst_point,
-            "n_rows": profile.points[0].n_rows if profile.points else 0,
-            "reason": profile.reason,
-            "profile": [
-                {
-                    "name": p.name,
-                    "depth": p.depth,
-                    "sublayer": p.sublayer,
-                    "sigma_min": _num(p.sigma_min),
-                    "sigma_min_ratio": _num(p.sigma_min_ratio),
-                    "sigma_min_step": _num(p.sigma_min_step),
-                    "n_rows": p.n_rows,
-                    "reason": p.reason,
-                }
-                for p in profile.points
-            ],
-        }
-    return out
-
-
-def write_scan_outputs(result: dict[str, Any], gammas: dict[str, Any], out: Path) -> None:
-    """The four PNGs, ``report.md``, ``report.html`` and ``report.json`` into ``out``."""
-    model = result["model"]["class"]
-    style = (result["layout"] or {}).get("style")
-    post = " (post-norm: the bound assumes pre-norm)" if style == "post-norm" else ""
-    images = {}
-    if result["profile"]:
-        images["sigma_min_profile.png"] = plots.plot_profile(
-            result["profile"], out / "sigma_min_profile.png",
-            title=f"{model}: sigma_min ratio against depth{post}",
-        )  # fmt: skip
-    images["alignment.png"] = plots.plot_alignment(
-        result["norms"], out / "alignment.png", title=f"{model}: the LayerNorm kernel per layer"
-    )
-    images["spectrum.png"] = plots.plot_spectrum(
-        result["norms"], out / "spectrum.png", title=f"{model}: bottom of each eigen-spectrum"
-    )
-    dead = {n["name"]: n["dead_index"] for n in result["norms"]}
-    images["gamma.png"] = plots.plot_gamma(
-        gammas, dead, out / "gamma.png", title=f"{model}: gamma per norm layer"
-    )
-    result["files"] = [*images, "report.md", "report.html", "report.json"]
-    captions = {name: PLOTS[name] for name in images}
-    (out / "report.md").write_text(render.scan_markdown(result, captions), encoding="utf-8")
-    (out / "report.html").write_text(
-        render.scan_html(result, {captions[k]: p for k, p in images.items()}), encoding="utf-8"
-    )
-    (out / "report.json").write_text(render.to_json(result) + "\n", encoding="utf-8")
-
-
 # ------------------------------------------------------------------------------ the table
 def _f(value: Any, spec: str) -> str:
     return "nan" if value is None else format(value, spec)
@@ -479,14 +263,7 @@ def format_scan_table(result: dict[str, Any]) -> str:
     lines += render.text_table(head, rows, right=(2, 3, 4, 5, 7, 8))
     if result["profile"]:
         lines.append("")
-        rows = [
-            [
-                p["name"], p["sublayer"] or "-", _f(p["sigma_min"], ".4g"),
-                _f(p["sigma_min_ratio"], ".3f"), _f(p["sigma_min_step"], ".3f"),
-                _f(p["baseline_ratio"], ".3f"),
-            ]
-            for p in result["profile"]
-        ]  # fmt: skip
+        rows = render._profile_rows(result)[1]  # the report's rows, under shorter heads
         head = ["residual point", "sublayer", "sigma_min", "ratio", "step", "init_ratio"]
         lines += render.text_table(head, rows, right=(2, 3, 4, 5))
     s = result["summary"]

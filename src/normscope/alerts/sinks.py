@@ -1,0 +1,98 @@
+"""The sinks that deliver an alert: Python logging, W&B ``run.alert``, a callable of yours."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from normscope.alerts.records import Alert
+
+__all__ = ["CallableSink", "LogSink", "WandbSink", "build_sinks"]
+
+logger = logging.getLogger("normscope")
+
+
+class LogSink:
+    """Python logging (logger ``normscope``) plus a warning, so that a console shows it."""
+
+    def __call__(self, alert: Alert, trainer: Any = None) -> None:
+        import warnings
+
+        logger.warning(alert.message)
+        warnings.warn(f"normscope alert: {alert.message}", UserWarning, stacklevel=2)
+
+
+class WandbSink:
+    """``run.alert`` on every attached W&B run, rate-limited per (rule, key).
+
+    In offline mode W&B writes the alert into the local run file. ``min_interval_s`` is also
+    passed as ``wait_duration`` so that W&B's own limiter agrees.
+    """
+
+    def __init__(self, min_interval_s: float = 60.0) -> None:
+        self.min_interval_s = min_interval_s
+        self._last: dict[tuple[str, str], float] = {}
+
+    def __call__(self, alert: Alert, trainer: Any = None) -> None:
+        runs = _wandb_runs(trainer)
+        if not runs:
+            return
+        now = time.monotonic()
+        key = (alert.rule, alert.key)
+        if now - self._last.get(key, -math.inf) < self.min_interval_s:
+            return
+        self._last[key] = now
+        import wandb
+
+        for run in runs:
+            run.alert(
+                title=alert.title,
+                text=alert.message,
+                level=wandb.AlertLevel.WARN,
+                wait_duration=int(self.min_interval_s),
+            )
+
+
+class CallableSink:
+    """Your function, called as ``fn(alert)``."""
+
+    def __init__(self, fn: Callable[[Alert], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, alert: Alert, trainer: Any = None) -> None:
+        self.fn(alert)
+
+
+def _wandb_runs(trainer: Any) -> list[Any]:
+    if trainer is None:
+        return []
+    try:
+        from lightning.pytorch.loggers import WandbLogger
+    except ImportError:  # pragma: no cover
+        return []
+    return [lg.experiment for lg in getattr(trainer, "loggers", []) if isinstance(lg, WandbLogger)]
+
+
+def build_sinks(spec: Iterable[str | Callable[..., Any]] | str | None) -> list[Callable[..., Any]]:
+    """``("log", "wandb", fn)`` -> sink objects. Strings: ``"log"``, ``"wandb"``."""
+    if spec is None:
+        return []
+    items: Sequence[Any] = (spec,) if isinstance(spec, str) or callable(spec) else tuple(spec)
+    sinks: list[Callable[..., Any]] = []
+    for item in items:
+        if item == "log":
+            sinks.append(LogSink())
+        elif item == "wandb":
+            sinks.append(WandbSink())
+        elif isinstance(item, (LogSink, WandbSink, CallableSink)):
+            sinks.append(item)
+        elif callable(item):
+            sinks.append(CallableSink(item))
+        else:
+            raise ValueError(
+                f"alerts: unknown sink {item!r}; use 'log', 'wandb', a sink object or a callable"
+            )
+    return sinks
