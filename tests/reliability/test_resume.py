@@ -138,7 +138,7 @@ def test_sign_magnitude_monitor_resumes_a_run_killed_mid_window(tmp_path):
     assert second.reads == state["reads"] + 2
     # the churn rule's history continues too (first run: reads 1 and 2; resumed: 2 more)
     spike = next(r for r in second.rules if type(r).__name__ == "SignChurnSpikeRule")
-    assert len(spike.history) == len(state["rules"][1]["history"]) + 2
+    assert len(spike.history) == len(state["rules"]["sign_churn_spike"]["history"]) + 2
 
 
 def test_resume_from_a_checkpoint_inside_a_deferred_window(tmp_path):

@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -24,19 +23,17 @@ from normscope.callbacks._base import (
     MonitorCallback,
     check_strategy,
     compiled,
-    eager_forwards,
     fail_open,
 )
+from normscope.callbacks.dead_direction_discovery import ResidualDiscovery
 from normscope.callbacks.wandb_extras import log_wandb_extras
 from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.dead_direction import (
     DeadDirectionReport,
     DeadDirectionTracker,
-    key_path,
 )
 from normscope.monitors.format import format_read_line, format_summary
-from normscope.monitors.scan import batch_mask, call_model
-from normscope.taps.norms import NormDiscoveryError
+from normscope.monitors.scan import batch_mask
 
 __all__ = ["DeadDirectionMonitor"]
 
@@ -45,7 +42,7 @@ __all__ = ["DeadDirectionMonitor"]
 _HALF_TRUE = ("bf16-true", "16-true")
 
 
-class DeadDirectionMonitor(MonitorCallback):
+class DeadDirectionMonitor(ResidualDiscovery, MonitorCallback):
     r"""Log the dead-direction geometry of every norm layer and the residual stream's
     ``sigma_min`` depth profile while a model trains, and alert when the stream collapses.
 
@@ -53,7 +50,7 @@ class DeadDirectionMonitor(MonitorCallback):
     since step 0's training forward is the one residual discovery watches), the
     hooks fold the rows of that step's training forwards (all gradient-accumulation
     micro-batches) into float64 accumulators; at the end of the step the monitor reduces them
-    across processes, runs the reads of METRICS.md §1 and logs them to every logger and to
+    across processes, runs the reads of docs/metrics.md §1 and logs them to every logger and to
     ``trainer.callback_metrics`` under ``dd/<module path>/<metric>`` and ``dd/<metric>``.
     Between sampled steps the hooks return at once. Sanity-check and validation forwards are
     never sampled.
@@ -227,29 +224,6 @@ class DeadDirectionMonitor(MonitorCallback):
                 f"{self.null_tol:g}: null_dim will read 0. Pass null_tol=1e-4 to count it."
             )
 
-    def _build_tracker(self, pl_module: LightningModule) -> None:
-        try:
-            self.tracker = DeadDirectionTracker(
-                pl_module,
-                layers=self.layers,
-                residual=self.residual,
-                max_rows_per_step=self.max_rows_per_step,
-                null_tol=self.null_tol,
-                seed=self.seed,
-                max_memory=self.max_memory,
-                sources=self.sources,
-                max_sources=self.max_sources,
-            )
-            self.tracker.source_rule = self.sigma_rule
-        except (TypeError, ValueError) as err:
-            raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
-        except NormDiscoveryError as err:
-            raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
-        self.tracker.baselines.update(self._baselines)
-        self.tracker.baseline_rows.update(self._rows)
-        if self.kernel_rule is not None:
-            self.kernel_rule.kinds = {key_path(n.name): n.kind for n in self.tracker.norms}
-
     @fail_open
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -305,10 +279,6 @@ class DeadDirectionMonitor(MonitorCallback):
         self._judge_cost(time.perf_counter() - started)
         self._clock(plain=False)
 
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.tracker is not None:
-            self.tracker.gate.open = False
-
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.verbose and self.last_report is not None and trainer.is_global_zero:
             rank_zero_info(
@@ -339,102 +309,6 @@ class DeadDirectionMonitor(MonitorCallback):
         if step == self._discovery_step:
             return False
         return step == self._late_window or super()._in_window(step)
-
-    def _separate_discovery(self, trainer: Trainer, pl_module: LightningModule) -> bool:
-        """Whether the residual stream is found by a forward of the monitor's own (the old
-        way) rather than from the training step's forward: with ``example_forward``, and on a
-        compiled model (dynamo must not trace discovery's hooks). Every loop of
-        :mod:`normscope.integrations` calls the hooks around its training forwards, so it
-        discovers from them as Lightning does: one engine, the same steps."""
-        return self.example_forward is not None or compiled(pl_module)
-
-    def _start_discovery(self, trainer: Trainer) -> None:
-        """Arm discovery's hooks for the forward ``training_step`` runs on this batch; the
-        points are decided at this batch's end (:meth:`_finish_discovery`). That step is
-        never read (its forwards ran untapped); when it was a sampled step, the next step is
-        read in its place: on a fresh fit the baseline window is step 1, not 0, and a fit
-        resumed at a sampled step reads the step after it."""
-        assert self.tracker is not None
-        try:
-            self.tracker.start_discovery()
-        except Exception as err:  # noqa: BLE001 - e.g. no block stack: keep the norm reads
-            self._profile_off(f"{type(err).__name__}: {err}")
-            return
-        step = trainer.global_step
-        if self._in_window(step):
-            self._late_window = step + 1
-        self._discovering = True
-        self._discovery_step = step
-
-    def _finish_discovery(self) -> None:
-        assert self.tracker is not None
-        try:
-            self.tracker.attach()
-        except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
-            self._profile_off(
-                f"the training forward did not show the stream ({type(err).__name__}: {err})"
-            )
-            return
-        self._after_attach()
-
-    def _profile_off(self, why: str) -> None:
-        """No residual profile: one warning saying why and what to pass; the norm reads go
-        on, and every read logs ``dd/profile_points`` = 0."""
-        assert self.tracker is not None
-        rank_zero_warn(
-            f"normscope: residual profile disabled (dd/profile_points = 0: no sigma_min profile, "
-            f"so the sigma_min collapse alert is off): {why}. Pass "
-            "example_forward=fn(pl_module, batch) running one forward through the transformer "
-            "blocks, or residual=False to silence this."
-        )
-        self.tracker.detach()
-        self.tracker.residual = False
-        self.tracker.layout = None
-        self.tracker.attach()
-        self._after_attach()
-
-    def _attach(self, pl_module: LightningModule, batch: Any) -> None:
-        """Attach with a separate discovery forward of the monitor's own (eager, no grad)."""
-        assert self.tracker is not None
-        forward = self.example_forward or call_model
-        if self.example_forward is None and isinstance(self.sources, str):
-            field = self.sources  # a label field is no model input
-
-            def forward(module: LightningModule, batch: Any) -> Any:
-                return call_model(module, batch, (field,))
-
-        try:
-            # eager even on a compiled model: dynamo must not trace discovery's identity hooks
-            with torch.no_grad(), eager_forwards():
-                self.tracker.attach(forward=lambda: forward(pl_module, batch))
-        except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
-            self._profile_off(f"the discovery forward failed ({type(err).__name__}: {err})")
-            return
-        self._after_attach()
-
-    def _after_attach(self) -> None:
-        """Say what the layout holds (notes as info, a block-boundary fallback as one
-        warning) and give the rules the points' sublayers."""
-        assert self.tracker is not None
-        profile_subs = {}
-        layout = self.tracker.layout
-        if layout is not None:
-            profile_subs = {key_path(p.name): p.sublayer for p in layout.points}
-            for note in layout.notes:
-                if note == layout.fallback:
-                    rank_zero_warn(f"normscope: {note}")
-                else:
-                    rank_zero_info(f"normscope: {note}")
-            if layout.style == "post-norm" and self.sigma_rule in self.rules:
-                # The no-cancellation bound is a pre-norm statement: on post-LN blocks the
-                # profile is logged, but a ratio below 1 is not an alert.
-                self.rules.remove(self.sigma_rule)
-                if self.source_rule in self.rules:
-                    self.rules.remove(self.source_rule)
-                rank_zero_info("normscope: post-norm model: sigma_min alerts are off")
-        self.sigma_rule.sublayers = profile_subs
-        if self.source_rule is not None:
-            self.source_rule.sublayers = profile_subs
 
     # ------------------------------------------------------------ the read
     def _read(self, trainer: Trainer) -> None:
@@ -471,24 +345,9 @@ class DeadDirectionMonitor(MonitorCallback):
             if stop:
                 trainer.should_stop = True
 
-    def _local(self, fn: Callable[[], Any], what: str) -> None:
-        try:
-            fn()
-        except Exception as err:  # noqa: BLE001 - that part only
-            self._warn_once(
-                f"local:{what}",
-                f"normscope: {self.label}'s {what} failed; the reads go on without it "
-                f"({type(err).__name__}: {err})",
-            )
-
     def _named(self, text: str) -> str:
         """A read line or summary under this monitor's name: ``normscope[fast] step 50 | ...``."""
         return text.replace("normscope", f"normscope[{self.name}]", 1) if self.name else text
-
-    def _detach(self) -> None:
-        if self.tracker is not None:
-            self.tracker.gate.open = False
-            self.tracker.detach()
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -501,7 +360,7 @@ class DeadDirectionMonitor(MonitorCallback):
             "last_read_step": self.last_read_step,
             "baselines": dict(baselines),
             "baseline_rows": dict(self.tracker.baseline_rows if self.tracker else self._rows),
-            "rules": [rule.state_dict() for rule in self.rules],
+            "rules": self._rule_states(),
             "alerts_fired": [a.as_dict() for a in self.alerts_fired],
         }
 
@@ -517,8 +376,7 @@ class DeadDirectionMonitor(MonitorCallback):
         if self.tracker is not None:
             self.tracker.baselines.update(self._baselines)
             self.tracker.baseline_rows.update(self._rows)
-        for rule, rule_state in zip(self.rules, state_dict.get("rules", [])):
-            rule.load_state_dict(rule_state)
+        self._load_rule_states(state_dict.get("rules", []))
         self.alerts_fired = [Alert(**a) for a in state_dict.get("alerts_fired", [])]
 
     # ------------------------------------------------------------ helpers

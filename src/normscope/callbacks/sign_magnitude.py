@@ -194,10 +194,6 @@ class SignMagnitudeMonitor(MonitorCallback):
         self._judge_cost(time.perf_counter() - started)
         self._clock(plain=False)
 
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.tracker is not None:
-            self.tracker.gate.open = False
-
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._detach()
 
@@ -205,11 +201,6 @@ class SignMagnitudeMonitor(MonitorCallback):
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
         self._detach()
-
-    def _detach(self) -> None:
-        if self.tracker is not None:
-            self.tracker.gate.open = False
-            self.tracker.detach()
 
     def _read(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.tracker is not None
@@ -245,14 +236,13 @@ class SignMagnitudeMonitor(MonitorCallback):
         """Counters, alert state and the previous read's signs (int8, for ``sign_churn``)."""
         return {
             "reads": self.reads,
-            "rules": [rule.state_dict() for rule in self.rules],
+            "rules": self._rule_states(),
             "tracker": self.tracker.state_dict() if self.tracker is not None else {},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.reads = int(state_dict.get("reads", 0))
-        for rule, rule_state in zip(self.rules, state_dict.get("rules", [])):
-            rule.load_state_dict(rule_state)
+        self._load_rule_states(state_dict.get("rules", []))
         if self.tracker is not None:
             self.tracker.load_state_dict(state_dict.get("tracker", {}))
         else:
