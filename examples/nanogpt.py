@@ -75,7 +75,7 @@ class MLP(nn.Module):
     stream keeps only ``1 - s`` of itself, so its smallest singular value drops at this
     sublayer (to about ``1 - s`` of a typical one when the rest of the branch is small).
 
-    Why this breaks the no-cancellation hypothesis of METRICS.md §1.4: the cancel term alone
+    Why this breaks the no-cancellation hypothesis of docs/metrics.md §1.4: the cancel term alone
     gives ``<x, -s x P> = -s ||x P||^2 < 0`` for every row with a component in ``P``, and for
     ``v`` in the range of ``P`` the quadratic form of ``X^T F + F^T X`` is ``-2 s ||X v||^2``:
     not positive semi-definite, so ``sigma_min`` is free to fall.

@@ -67,7 +67,7 @@ def test_fit_logs_dd_keys_on_schedule(tmp_path):
         ):
             assert f"dd/{layer}/{metric}" in keys, f"dd/{layer}/{metric}"
     last = reads[-1]
-    # LayerNorm with a float32 forward: the exact kernel (METRICS §1.2 floor ~1e-14).
+    # LayerNorm with a float32 forward: the exact kernel (docs/metrics.md §1.2 floor ~1e-14).
     assert float(last["dd/model.ln_f/gamma_alignment"]) >= 0.9999
     assert float(last["dd/model.ln_f/kernel_residual"]) <= 1e-10
     assert float(last["dd/model.ln_f/null_dim"]) == 1
@@ -134,7 +134,7 @@ def test_bf16_autocast_on_cpu(tmp_path):
     monitor = DeadDirectionMonitor(every_n_steps=2, null_tol=1e-4, verbose=False)
     trainer = fit(tmp_path, LitTiny(), monitor, steps=2, precision="bf16-mixed")
     last = rows_with(read_csv(trainer), "dd/sigma_min_ratio_min")[-1]
-    # bf16 forwards keep the LayerNorm kernel only to the bf16 floor (PITFALLS: ~1e-5 of top).
+    # bf16 forwards keep the LayerNorm kernel only to the bf16 floor (~1e-5 of top).
     assert float(last["dd/model.ln_f/gamma_alignment"]) >= 0.99
     assert float(last["dd/model.ln_f/kernel_residual"]) <= 1e-3
     assert math.isfinite(float(last["dd/sigma_min_ratio_min"]))

@@ -1,7 +1,7 @@
 """``normscope scan`` end to end, in-process: the real all-MiniLM-L6-v2 checkpoint (offline),
 tiny random-init GPT-2 and Llama saved with ``save_pretrained``, and Python factories.
 
-What a scan must get right, with METRICS.md's names:
+What a scan must get right, with docs/metrics.md's names:
 
 * MiniLM (trained, post-LN, d = 384): every LayerNorm without dead channels has the exact
   kernel (``gamma_alignment >= 0.9999``, ``kernel_residual <= 1e-10``, ``layernorm-like``), the

@@ -1,4 +1,4 @@
-"""The gamma, kernel and Schur reads (METRICS §1.1–1.3) against numpy references.
+"""The gamma, kernel and Schur reads (docs/metrics.md §1.1–1.3) against numpy references.
 
 Outputs come from ``torch.nn.functional.layer_norm`` / ``rms_norm`` run in float32, as a model
 would, and are accumulated by ``StreamingCovariance``. Every number is recomputed here from
@@ -70,7 +70,7 @@ def layer_norm_rows(x: torch.Tensor, gamma: torch.Tensor, seed: int) -> torch.Te
 
 
 def reference(c: np.ndarray, gamma: np.ndarray, null_tol: float = 1e-10, rms: bool = False):
-    """METRICS §1.2 in numpy, written independently of the torch code."""
+    """docs/metrics.md §1.2 in numpy, written independently of the torch code."""
     d = len(gamma)
     w, u = np.linalg.eigh(c)
     dead = np.flatnonzero(np.abs(gamma) <= 1e-6 * np.abs(gamma).max())

@@ -1,4 +1,4 @@
-"""sigma_min and the residual depth profile (METRICS §1.4) against numpy.
+"""sigma_min and the residual depth profile (docs/metrics.md §1.4) against numpy.
 
 The stream is built by hand, ``x_k = x_{k-1} + f_k(x_{k-1})`` with linear branches
 ``f(x) = x A``. When ``A + A^T`` is PSD, ``||(I + A) v||^2 = 1 + v^T (A + A^T) v + ||A v||^2 >= 1``

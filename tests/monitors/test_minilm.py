@@ -5,7 +5,7 @@ is the Python standard library's own source (paragraphs of ``textwrap``, ``fract
 ``functools``), tokenised with the model's tokenizer and padded per batch, so the attention
 mask is exercised on a real model too.
 
-What a trained LayerNorm model must show (METRICS §1.1-1.2): every LayerNorm whose gamma has
+What a trained LayerNorm model must show (docs/metrics.md §1.1-1.2): every LayerNorm whose gamma has
 no dead channel has ``gamma_alignment >= 0.9999``; this checkpoint's last LayerNorm
 (``encoder.layer.5.output.LayerNorm``) has three channels trained to ``|gamma| ~ 1e-9``
 (127, 223 and 319), which must come out as dead channels whose ``e_i`` span the kernel, not
@@ -97,7 +97,7 @@ def test_every_layernorm_without_dead_channels_has_the_exact_kernel() -> None:
 def test_last_layernorm_has_dead_channels_that_span_the_kernel() -> None:
     model, _, report = minilm_scan()
     gamma = model.get_submodule(LAST_LN).weight.detach().double().numpy()
-    # numpy reference of the dead-channel rule |gamma_i| <= 1e-6 max|gamma| (METRICS §1.1)
+    # numpy reference of the dead-channel rule |gamma_i| <= 1e-6 max|gamma| (docs/metrics.md §1.1)
     expected_dead = tuple(np.flatnonzero(np.abs(gamma) <= 1e-6 * np.abs(gamma).max()).tolist())
     assert expected_dead == (127, 223, 319)
     norm = report.norms[LAST_LN]

@@ -1,6 +1,6 @@
 """``scan_model`` end to end on real model code (CPU, random init from small configs).
 
-What is checked, with METRICS.md's names:
+What is checked, with docs/metrics.md's names:
 
 * LayerNorm models (GPT-2, GPT-NeoX, OPT, BLOOM, Phi, ViT, BERT, a hand-written one): the final
   norm's kernel is exact on a float32 forward -- ``gamma_alignment >= 0.9999``,
@@ -79,7 +79,7 @@ def redraw_layernorms(model: nn.Module, seed: int = 7) -> None:
 
 def assert_exact_kernel(report: DeadDirectionReport, name: str) -> None:
     read = report.norms[name].kernel
-    # float32 forward: the exact kernel sits at ~1e-15 of lambda_d (METRICS §1.2 floor ~1e-14);
+    # float32 forward: the exact kernel sits at ~1e-15 of lambda_d (docs/metrics.md §1.2 floor ~1e-14);
     # 1e-10 leaves four decades for rounding and is far below any live direction's share
     # (live_floor, measured >= 7e-4 on every model here).
     assert read.gamma_alignment >= 0.9999, (name, read)
@@ -129,7 +129,7 @@ def test_redrawn_kernel_matches_a_numpy_reference() -> None:
             model(**batch)
     handle.remove()
     y = np.concatenate(rows)
-    cov = np.cov(y, rowvar=False, bias=True)  # population covariance, as METRICS §0
+    cov = np.cov(y, rowvar=False, bias=True)  # population covariance, as docs/metrics.md §0
     evals, evecs = np.linalg.eigh(cov)
     gamma = ln_f.weight.detach().double().numpy()
     v_star = (1 / gamma) / np.linalg.norm(1 / gamma)

@@ -200,7 +200,7 @@ def test_sign_magnitude_unknown_names_list_the_available_layers(tmp_path, kwargs
 
 # ------------------------------------------------------------------ huge activations, numpy
 def np_schur(c: np.ndarray, v: np.ndarray, ridge: float = 1e-12) -> float:
-    """METRICS §1.3 in numpy: R = 1 / ((v^T C^-1 v)(v^T C v)) on C + ridge trace/d I."""
+    """docs/metrics.md §1.3 in numpy: R = 1 / ((v^T C^-1 v)(v^T C v)) on C + ridge trace/d I."""
     d = len(v)
     c = (c + c.T) / 2 + ridge * np.trace(c) / d * np.eye(d)
     return float(1.0 / ((v @ np.linalg.solve(c, v)) * (v @ c @ v)))
