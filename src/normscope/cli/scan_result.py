@@ -44,6 +44,21 @@ def _num(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _point_json(p: Any, **extra: Any) -> dict[str, Any]:
+    """One residual point of a profile for ``report.json`` (``extra`` after the ratios)."""
+    return {
+        "name": p.name,
+        "depth": p.depth,
+        "sublayer": p.sublayer,
+        "sigma_min": _num(p.sigma_min),
+        "sigma_min_ratio": _num(p.sigma_min_ratio),
+        "sigma_min_step": _num(p.sigma_min_step),
+        **extra,
+        "n_rows": p.n_rows,
+        "reason": p.reason,
+    }
+
+
 def scan_result(
     loaded: LoadedModel,
     report: DeadDirectionReport,
@@ -99,15 +114,7 @@ def scan_result(
         tp = twin_points.get(p.name)
         profile.append(
             {
-                "name": p.name,
-                "depth": p.depth,
-                "sublayer": p.sublayer,
-                "sigma_min": _num(p.sigma_min),
-                "sigma_min_ratio": _num(p.sigma_min_ratio),
-                "sigma_min_step": _num(p.sigma_min_step),
-                "no_cancellation_margin": _num(margin),
-                "n_rows": p.n_rows,
-                "reason": p.reason,
+                **_point_json(p, no_cancellation_margin=_num(margin)),
                 "baseline_ratio": _num(tp.sigma_min_ratio) if tp else None,
                 "baseline_step": _num(tp.sigma_min_step) if tp else None,
             }
@@ -178,19 +185,7 @@ def _sources_result(report: DeadDirectionReport) -> dict[str, Any]:
             "worst_point": profile.worst_point,
             "n_rows": profile.points[0].n_rows if profile.points else 0,
             "reason": profile.reason,
-            "profile": [
-                {
-                    "name": p.name,
-                    "depth": p.depth,
-                    "sublayer": p.sublayer,
-                    "sigma_min": _num(p.sigma_min),
-                    "sigma_min_ratio": _num(p.sigma_min_ratio),
-                    "sigma_min_step": _num(p.sigma_min_step),
-                    "n_rows": p.n_rows,
-                    "reason": p.reason,
-                }
-                for p in profile.points
-            ],
+            "profile": [_point_json(p) for p in profile.points],
         }
     return out
 
