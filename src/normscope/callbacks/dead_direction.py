@@ -25,7 +25,7 @@ from normscope.callbacks._base import (
     compiled,
     fail_open,
 )
-from normscope.callbacks.dead_direction_discovery import ResidualDiscovery
+from normscope.callbacks.dead_direction_discovery import AttachStream
 from normscope.callbacks.wandb_extras import log_wandb_extras
 from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.dead_direction import (
@@ -42,7 +42,7 @@ __all__ = ["DeadDirectionMonitor"]
 _HALF_TRUE = ("bf16-true", "16-true")
 
 
-class DeadDirectionMonitor(ResidualDiscovery, MonitorCallback):
+class DeadDirectionMonitor(AttachStream, MonitorCallback):
     r"""Log the dead-direction geometry of every norm layer and the residual stream's
     ``sigma_min`` depth profile while a model trains, and alert when the stream collapses.
 

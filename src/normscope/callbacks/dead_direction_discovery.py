@@ -18,10 +18,10 @@ from normscope.taps.norms import NormDiscoveryError
 if TYPE_CHECKING:
     from normscope.alerts import AlertRule, SigmaMinRatioRule, SourceCollapseRule
 
-__all__ = ["ResidualDiscovery"]
+__all__ = ["AttachStream"]
 
 
-class ResidualDiscovery:
+class AttachStream:
     """The tracker's construction, residual discovery and attach (a mixin
     :class:`~normscope.DeadDirectionMonitor` inherits): the stream is found from the training
     step's own forward, or from a forward of the monitor's own; a discovery that fails keeps
