@@ -175,3 +175,15 @@ def test_a_sudden_drop_alerts_on_the_higher_floor_a_slow_dip_does_not():
     off = SigmaMinRatioRule(drop=None)
     off.evaluate(_read(1.0, 8), step=1)
     assert off.evaluate(low, step=2) == []
+
+
+def test_a_collapse_that_persists_alerts_once():
+    """After a sudden drop fires, the same point read at 0.5 again (interval top 0.79: over
+    0.6, under 0.85) stays below: no second alert when it later dips under 0.6 for good."""
+    rule = SigmaMinRatioRule()
+    rule.evaluate(_read(1.0, 8), step=1)
+    fired = [rule.evaluate(_read(r, 8), step=s) for s, r in ((2, 0.5), (3, 0.5), (4, 0.3))]
+    assert [[a.point for a in f] for f in fired] == [["p1"], [], []]
+    assert rule.below["p1"] == 3
+    rule.evaluate(_read(1.0, 8), step=5)  # recovered: the next collapse alerts again
+    assert [a.point for a in rule.evaluate(_read(0.3, 8), step=6)] == ["p1"]

@@ -41,7 +41,8 @@ class SigmaMinRatioRule:
     40), slowly, over many reads; a cancelling branch drops a point's step ratio from about 1
     to under half in one read. So the floor is low (``alert_below - tolerance`` = 0.6) and a
     second, higher one (``drop_below`` = 0.85, on the interval's top as well) counts only for
-    a step ratio under ``drop`` x the same point's step ratio at the previous read. The
+    a step ratio under ``drop`` x the same point's step ratio at the previous read (and, once
+    below, for as long as it stays under ``drop_below``: one collapse, one alert). The
     operating point of these defaults (0 false alarms on the healthy sweep of
     ``benchmarks/alert_roc.py``, detection delays there) is in docs/alerts.md.
 
@@ -173,6 +174,12 @@ class SigmaMinRatioRule:
             return False
         if step_value >= self.drop * previous:
             return False
+        return self._under_drop_floor(values)
+
+    def _under_drop_floor(self, values: Mapping[str, float]) -> bool:
+        """The step ratio's interval top is under ``drop_below``."""
+        if self.drop is None or "/sigma_min_step" not in self.suffixes:
+            return False
         soft = SigmaMinRatioRule(
             tolerance=max(self.alert_below - self.drop_below, 0.0),
             alert_below=self.alert_below,
@@ -228,6 +235,10 @@ class SigmaMinRatioRule:
                 self.previous_step[point] = step_value
             if not below and self._sudden_drop(values, previous.get(point, math.nan)):
                 below, metric, value, sudden = True, "sigma_min_step", step_value, True
+            elif not below and self.below.get(point, 0) and self._under_drop_floor(values):
+                # below at the last read and still under the drop floor: the same collapse
+                # persists (no second alert when its interval top wavers around the floor)
+                below, metric, value = True, "sigma_min_step", step_value
             if below is None and value < self.threshold:
                 self.undecided[point] = str(metric)
             margin = values.get("no_cancellation_margin", math.nan)
