@@ -117,8 +117,15 @@ class SigmaMinRatioRule:
     def threshold(self) -> float:
         return self.alert_below - self.tolerance
 
-    def decide(self, values: Mapping[str, float]) -> tuple[bool | None, str | None, float]:
-        """One point's read: ``(below, metric, value)``.
+    def decide(
+        self,
+        values: Mapping[str, float],
+        *,
+        threshold: float | None = None,
+        suffixes: Sequence[str] | None = None,
+    ) -> tuple[bool | None, str | None, float]:
+        """One point's read: ``(below, metric, value)``, against ``threshold`` (default: the
+        rule's) on the ratios ``suffixes`` names (default: those it watches).
 
         ``values`` holds the point's metrics by name (``sigma_min_ratio``, ``sigma_min_step``,
         their ``_lo``/``_hi`` and ``rows_per_dim``, when logged; a per-source read gives
@@ -134,9 +141,9 @@ class SigmaMinRatioRule:
 
         per_dim = values.get("rows_per_dim", math.nan)
         rows = values.get("n_rows", math.nan)
-        thr = self.threshold
+        thr = self.threshold if threshold is None else threshold
         reads: list[tuple[float, str, float, float]] = []  # value, metric, lo, hi
-        for suffix in self.suffixes:
+        for suffix in self.suffixes if suffixes is None else suffixes:
             metric = suffix[1:]
             value = values.get(metric, math.nan)
             if not math.isfinite(value):
@@ -164,36 +171,29 @@ class SigmaMinRatioRule:
             return False, metric, value
         return None, "not_confident", min(reads)[0]
 
+    @property
+    def _step_suffixes(self) -> tuple[str, ...]:
+        return tuple(s for s in self.suffixes if s == "/sigma_min_step")
+
     def _sudden_drop(self, values: Mapping[str, float], previous: float) -> bool:
         """The step ratio fell under ``drop`` x its previous read and its interval's top is
         under ``drop_below`` (rows enough for an interval; a log without one: the ratio)."""
         step_value = values.get("sigma_min_step", math.nan)
-        if self.drop is None or "/sigma_min_step" not in self.suffixes:
-            return False
         if not (math.isfinite(step_value) and math.isfinite(previous)):
             return False
-        if step_value >= self.drop * previous:
-            return False
-        return self._under_drop_floor(values)
+        return step_value < (self.drop or 0.0) * previous and self._under_drop_floor(values)
 
     def _under_drop_floor(self, values: Mapping[str, float]) -> bool:
-        """The step ratio's interval top is under ``drop_below``."""
-        if self.drop is None or "/sigma_min_step" not in self.suffixes:
+        """The step ratio's interval top is under ``drop_below`` (never with ``drop=None``)."""
+        if self.drop is None:
             return False
-        soft = SigmaMinRatioRule(
-            tolerance=max(self.alert_below - self.drop_below, 0.0),
-            alert_below=self.alert_below,
-            watch=("step",),
-            min_rows_per_dim=self.min_rows_per_dim,
-            drop=None,
-        )
-        return bool(soft.decide(values)[0])
+        floor = min(self.drop_below, self.alert_below)
+        return bool(self.decide(values, threshold=floor, suffixes=self._step_suffixes)[0])
 
     def step_below(self, values: Mapping[str, float]) -> bool:
         """Is the point's own step ratio below the threshold, with confidence? A point below
         on its cumulative ratio alone, downstream of a collapse, is that collapse's echo."""
-        step_only = {k: v for k, v in values.items() if not k.startswith("sigma_min_ratio")}
-        return bool(self.decide(step_only)[0])
+        return bool(self.decide(values, suffixes=self._step_suffixes)[0])
 
     def _points(self, metrics: Mapping[str, float]) -> dict[str, dict[str, float]]:
         """The pooled ``dd/<point>/<metric>`` keys by point (profile points only)."""

@@ -13,7 +13,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from normscope.callbacks.strategy import compiled, eager_forwards
 from normscope.monitors.dead_direction import DeadDirectionTracker, key_path
 from normscope.monitors.scan import call_model
-from normscope.taps.norms import NormDiscoveryError
 
 if TYPE_CHECKING:
     from normscope.alerts import AlertRule, SigmaMinRatioRule, SourceCollapseRule
@@ -63,9 +62,7 @@ class AttachStream:
                 max_sources=self.max_sources,
             )
             self.tracker.source_rule = self.sigma_rule
-        except (TypeError, ValueError) as err:
-            raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
-        except NormDiscoveryError as err:
+        except (TypeError, ValueError) as err:  # NormDiscoveryError is a ValueError
             raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
         self.tracker.baselines.update(self._baselines)
         self.tracker.baseline_rows.update(self._rows)
