@@ -1,0 +1,411 @@
+"""Fast exact extreme eigenpairs of a symmetric positive semi-definite float64 matrix.
+
+The reads need a few numbers of a ``d x d`` covariance, never its whole spectrum: the largest
+eigenvalue, the bottom ``m`` eigenpairs (with every eigenvalue under a null threshold) and one
+constrained bottom eigenvalue (the live floor). A full ``eigh`` costs ``~9 d^3`` flops at a
+poor rate; here they come from
+
+* :func:`lambda_max` -- Lanczos on ``C`` (matrix-vector products, full reorthogonalisation);
+* :class:`ShiftedCholesky` -- ONE Cholesky factor of ``C + s I`` (``s`` a few ``d eps``
+  of ``lambda_max`` so that exact zeros factor; retried with a larger shift), exact zero
+  columns set apart (their eigenpairs ``(0, e_i)`` are exact), its solves two triangular
+  solves (``torch.linalg.solve_triangular``: ``cholesky_solve`` was 12x slower on one vector);
+  with a basis ``P`` it also solves ``C + s I`` restricted to ``P``'s orthogonal complement
+  (the bordered system, ``k`` extra solves once);
+* :func:`bottom_eigh` -- block shift-invert Lanczos on that factor with full
+  reorthogonalisation. A block of ``b`` vectors finds an eigenvalue repeated up to ``b``
+  times; a cluster as large as the block is answered by a doubled block (up to
+  ``MAX_BLOCK``), then by "not converged".
+
+Every eigenvalue returned is a Rayleigh quotient on ``C`` itself and every pair is checked by
+its true residual ``||C u - theta u|| <= tol * lambda_max`` (the shift only speeds the
+iteration; it does not enter the numbers). A result that is not verified says so
+(``converged=False``): the caller falls back to the dense ``symmetric_eigh`` and counts it.
+Everything stays on the matrix's device; the only host syncs are the convergence checks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FAST_MIN_DIM",
+    "SOLVERS",
+    "BottomEigs",
+    "ShiftedCholesky",
+    "bottom_eigh",
+    "check_solver",
+    "lambda_max",
+    "use_fast",
+]
+
+#: below this width the dense solvers are faster (benchmarks/read_cost.py, RESULTS.md)
+FAST_MIN_DIM = 128
+#: true-residual tolerance, relative to lambda_max, of the pairs whose vectors are read (the
+#: bottom one and the null space: a vector is off by at most residual / gap; the attained
+#: residuals are ~1e-15)
+TIGHT_TOL = 1e-13
+#: error bound ``min(r, r^2 / gap)`` of the other values, relative to lambda_max (the reads
+#: give them over lambda_max: 1e-12 is a hundredth of their 1e-10 rounding floor)
+VALUE_TOL = 1e-12
+MAX_BLOCK = 32
+#: the solvers a read may take: "fast" (these) or "dense" (one full eigh)
+SOLVERS = ("fast", "dense")
+_EPS = torch.finfo(torch.float64).eps
+
+
+def check_solver(solver: str, where: str) -> None:
+    """Raise ``ValueError`` unless ``solver`` is one of :data:`SOLVERS`."""
+    if solver not in SOLVERS:
+        raise ValueError(f"{where}: solver must be one of {SOLVERS}, got {solver!r}")
+
+
+def use_fast(solver: str, d: int, want: int = 1) -> bool:
+    """Whether a read of width ``d`` wanting ``want`` bottom pairs takes the fast route:
+    ``solver == "fast"``, ``d >= FAST_MIN_DIM`` and ``want < d / 4`` (a quarter of the
+    spectrum and more is a full spectrum: one dense eigh is cheaper).
+
+    Example::
+
+        >>> use_fast("fast", 512, 8), use_fast("fast", 64, 8), use_fast("dense", 512, 8)
+        (True, False, False)
+    """
+    return solver == "fast" and d >= FAST_MIN_DIM and 4 * want < d
+
+
+def _start(d: int, b: int, device: torch.device, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(d, b, generator=g, dtype=torch.float64, device=device)
+
+
+def lambda_max(
+    c: torch.Tensor, *, tol: float = 1e-13, max_iter: int = 300, seed: int = 0
+) -> tuple[float, bool]:
+    """The largest eigenvalue of a symmetric PSD ``c`` by Lanczos (full reorthogonalisation).
+
+    Stops when the Ritz value's error bound ``min(r, r^2 / gap)`` is ``<= tol * theta``
+    (``r`` the Ritz residual, ``gap`` to the next Ritz value) or the Krylov space is
+    invariant. Returns ``(value, converged)``.
+
+    Example::
+
+        >>> import torch
+        >>> value, ok = lambda_max(torch.diag(torch.arange(1.0, 301.0, dtype=torch.float64)))
+        >>> round(value, 9), ok
+        (300.0, True)
+    """
+    d = c.shape[0]
+    steps = min(max_iter, d)
+    basis = torch.zeros(steps + 1, d, dtype=torch.float64, device=c.device)  # rows: contiguous
+    v = _start(d, 1, c.device, seed)[:, 0]
+    basis[0] = v / torch.linalg.vector_norm(v)
+    alphas: list[torch.Tensor] = []
+    betas: list[torch.Tensor] = []
+    theta = 0.0
+    for j in range(steps):
+        w = c @ basis[j]
+        alphas.append(basis[j] @ w)
+        vj = basis[: j + 1]
+        w = w - (vj @ w) @ vj
+        w = w - (vj @ w) @ vj
+        beta = torch.linalg.vector_norm(w)
+        betas.append(beta)
+        basis[j + 1] = w / beta.clamp_min(1e-300)
+        if j + 1 < steps and (j + 1 < 8 or (j + 1) % 4):
+            continue
+        a = torch.stack(alphas).cpu()
+        bt = torch.stack(betas).cpu()
+        t = torch.diag(a) + torch.diag(bt[:-1], 1) + torch.diag(bt[:-1], -1)
+        ev, y = torch.linalg.eigh(t)
+        theta = float(ev[-1])
+        r = abs(float(bt[-1] * y[-1, -1]))
+        gap = float(ev[-1] - ev[-2]) if ev.numel() > 1 else math.inf
+        if theta <= 0:
+            return theta, bool(r == 0)
+        if min(r, r * r / max(gap, 1e-300)) <= tol * theta or j + 1 == d:
+            return theta, True
+    return theta, False
+
+
+class ShiftedCholesky:
+    """One Cholesky factor of ``C + s I`` and its solves.
+
+    Columns of ``C`` that are exactly zero are set apart (``zero``): they are exact eigenpairs
+    ``(0, e_i)`` and make ``C + s I`` diagonal there. ``s = 16 d eps lambda_max`` first, then
+    1e3 and 1e6 times that; ``ok`` is False when none factors.
+
+    Example::
+
+        >>> import torch
+        >>> c = torch.diag(torch.tensor([0.0, 1.0, 4.0], dtype=torch.float64))
+        >>> f = ShiftedCholesky(c, 4.0)
+        >>> x = f.solve(torch.ones(3, 1, dtype=torch.float64))[1:, 0]
+        >>> f.ok, f.zero.tolist(), [round(v, 9) for v in x.tolist()]
+        (True, [0], [1.0, 0.25])
+    """
+
+    def __init__(self, c: torch.Tensor, lam_max: float) -> None:
+        d = c.shape[0]
+        self.d, self.lam_max, self.c = d, lam_max, c
+        zero_mask = torch.diagonal(c) == 0
+        if bool(zero_mask.any()):  # a PSD matrix's zero diagonal entry: check the column
+            zero_mask &= (c == 0).all(dim=0)
+        self.zero = torch.nonzero(zero_mask).flatten()
+        self.live = torch.nonzero(~zero_mask).flatten()
+        self.c_live = c if self.zero.numel() == 0 else c[self.live][:, self.live]
+        self.ok = False
+        self.shift = 16 * max(d, 1) * _EPS * max(lam_max, 1e-300)
+        for _ in range(3):
+            a = self.c_live.clone()
+            a.diagonal().add_(self.shift)
+            chol, info = torch.linalg.cholesky_ex(a)
+            if int(info) == 0:
+                self.chol, self.ok = chol, True
+                break
+            self.shift *= 1e3
+
+    def solve_live(self, b: torch.Tensor) -> torch.Tensor:
+        """``(C_live + s I)^-1 b`` for ``b`` on the live coordinates."""
+        y = torch.linalg.solve_triangular(self.chol, b, upper=False)
+        return torch.linalg.solve_triangular(self.chol.T, y, upper=True)
+
+    def solve(self, b: torch.Tensor) -> torch.Tensor:
+        """``(C + s I)^-1 b`` for a ``(d, r)`` block."""
+        if self.zero.numel() == 0:
+            return self.solve_live(b)
+        out = b / self.shift
+        out[self.live] = self.solve_live(b[self.live])
+        return out
+
+    def restricted(self, p: torch.Tensor):
+        """The solve of ``C + s I`` restricted to the orthogonal complement of ``P`` (``d x k``,
+        orthonormal): ``x = A^-1 b - Z (P^T Z)^-1 Z^T b``, ``Z = A^-1 P``, for ``b`` orthogonal to
+        ``P`` (the bordered system; ``x`` is orthogonal to ``P`` and ``A x - b`` lies in its span).
+        """
+        z = self.solve(p)
+        g = p.T @ z
+        g = (g + g.T) * 0.5
+
+        def apply(b: torch.Tensor) -> torch.Tensor:
+            x = self.solve(b) - z @ torch.linalg.solve(g, z.T @ b)
+            return x - p @ (p.T @ x)
+
+        return apply
+
+
+@dataclass(frozen=True)
+class BottomEigs:
+    """The bottom eigenpairs of ``C`` (ascending) and how they were verified.
+
+    ``values`` ``(m,)`` and ``vectors`` ``(d, m)`` on ``C``'s device: at least the ``want``
+    asked for and, when ``null_tol`` was given, every eigenvalue ``<= null_tol * lambda_max``
+    plus the next one (so ``null_dim`` is counted with a verified gap). ``residual`` is the
+    largest ``||C u - theta u|| / lambda_max``; ``converged`` False means "use the dense
+    route" (``reason`` says why).
+    """
+
+    values: torch.Tensor
+    vectors: torch.Tensor
+    null_dim: int | None
+    converged: bool
+    residual: float
+    iterations: int
+    block: int
+    reason: str | None = None
+
+
+def bottom_eigh(
+    c: torch.Tensor,
+    want: int,
+    lam_max: float,
+    *,
+    factor: ShiftedCholesky | None = None,
+    null_tol: float | None = None,
+    constraint: torch.Tensor | None = None,
+    vectors: int = 1,
+    block: int = 2,
+    max_iter: int = 60,
+    tight: float = TIGHT_TOL,
+    value_tol: float = VALUE_TOL,
+    value_rtol: float = 0.0,
+    seed: int = 0,
+) -> BottomEigs:
+    """The ``want`` smallest eigenpairs of a symmetric PSD ``c`` by block shift-invert Lanczos.
+
+    Args:
+        c: ``(d, d)`` float64, symmetric.
+        want: how many bottom pairs (at least 1).
+        lam_max: ``c``'s largest eigenvalue (:func:`lambda_max`); scales the shift and ``tol``.
+        factor: a :class:`ShiftedCholesky` of ``c`` to reuse (made here when None).
+        null_tol: also return every eigenvalue ``<= null_tol * lam_max`` and one more, and
+            count them in ``null_dim``.
+        constraint: an orthonormal ``(d, k)`` ``P``: the bottom of ``C`` restricted to ``P``'s
+            complement instead (the residual is then ``(I - P P^T) C u - theta u``).
+        vectors: how many bottom pairs have their vectors read (held to ``tight``; the null
+            pairs always are); the others are held to ``value_tol`` (values only).
+        block: the first block size; doubled (to ``MAX_BLOCK``) when a cluster of the
+            returned values is as large as the block.
+        max_iter: Krylov blocks at most, per block size.
+        tight: true-residual tolerance (relative to ``lam_max``) of the pairs whose vectors
+            are read.
+        value_tol, value_rtol: the others' error bound ``min(r, r^2 / gap)`` must be
+            ``<= value_tol * lam_max + value_rtol * theta``.
+
+    Example::
+
+        >>> import torch
+        >>> x = torch.randn(600, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> x[:, :3] = 0.0                                 # three exact zeros
+        >>> x[:, 3] = x[:, 4] + x[:, 5]                    # one more, not a zero column
+        >>> c = x.T @ x / 600
+        >>> lam, _ = lambda_max(c)
+        >>> out = bottom_eigh(c, 8, lam, null_tol=1e-10)
+        >>> out.converged, out.null_dim
+        (True, 4)
+        >>> dense = torch.linalg.eigvalsh(c)[:8]
+        >>> bool(((out.values[:8] - dense).abs() <= 1e-12 * lam).all())
+        True
+    """
+    d = c.shape[0]
+    f = factor if factor is not None else ShiftedCholesky(c, lam_max)
+    empty = torch.zeros(0, dtype=torch.float64, device=c.device)
+    if not f.ok:
+        return BottomEigs(empty, c[:, :0], None, False, math.inf, 0, block, "cholesky_failed")
+    if constraint is not None and constraint.shape[1] > 0:
+        p = constraint
+        op = f.restricted(p)
+        zero = torch.zeros(0, dtype=torch.long, device=c.device)
+        dim, mat = d - p.shape[1], c
+
+        def project(x: torch.Tensor) -> torch.Tensor:
+            return x - p @ (p.T @ x)
+    else:
+        p = None
+        op, zero, dim, mat = f.solve_live, f.zero, f.live.numel(), f.c_live
+
+        def project(x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    n_zero = zero.numel()
+    threshold = null_tol * lam_max if null_tol is not None else -math.inf
+    want_live = max(want - n_zero, 1)
+    iters = 0
+    b = block
+    while True:
+        res = _krylov(
+            mat, op, project, dim, want_live, max(vectors - n_zero, 0), threshold, b, max_iter, tight,
+            lambda th: value_tol * lam_max + value_rtol * abs(th), lam_max, seed,
+        )  # fmt: skip
+        vals, vecs, ok, resid, it, cluster = res
+        iters += it
+        if not ok or cluster < b or b >= MAX_BLOCK or b >= dim:
+            break
+        b = min(2 * b, MAX_BLOCK)
+    reason = None if ok else "not_converged"
+    if ok and cluster >= b and b < dim:
+        ok, reason = False, "cluster_fills_block"
+    if n_zero:
+        full = torch.zeros(d, vecs.shape[1], dtype=torch.float64, device=c.device)
+        full[f.live] = vecs
+        ez = torch.zeros(d, n_zero, dtype=torch.float64, device=c.device)
+        ez[zero, torch.arange(n_zero, device=c.device)] = 1.0
+        vals = torch.cat([torch.zeros(n_zero, dtype=torch.float64, device=c.device), vals])
+        vecs = torch.cat([ez, full], dim=1)
+        order = torch.argsort(vals.clamp_min(0.0), stable=True)  # ties: exact zeros first
+        vals, vecs = vals[order], vecs[:, order]
+    null_dim = int((vals <= threshold).sum()) if null_tol is not None else None
+    return BottomEigs(vals, vecs, null_dim, ok, resid, iters, b, reason)
+
+
+def _krylov(
+    mat, op, project, dim, want, vectors, threshold, b, max_iter, tight, value_tol, lam_max, seed
+):
+    """Block Lanczos on ``op`` (an inverse of ``mat`` + shift), Rayleigh-Ritz on ``mat`` itself
+    (the solves' rounding, large along a near-null direction, then never enters a number).
+
+    Pair ``i`` is accepted when its true residual ``r_i`` is ``<= tight * lam_max`` (the bottom
+    pair and every pair under ``threshold``: their vectors are read) or, for the others (only
+    their values are read), when ``min(r_i, r_i^2 / gap_i) <= value_tol(theta_i)``, ``gap_i``
+    the distance to the neighbouring Ritz values less their residuals. Returns ``(values,
+    vectors, ok, residual, blocks, cluster)``, ``cluster`` the size of the largest group of
+    returned values within ``1e-10 lam_max`` (a repeated eigenvalue the block may not hold
+    in full)."""
+    n_live = mat.shape[0]
+    dev = mat.device
+    b = min(b, dim)
+    blocks = max(1, min(max_iter, math.ceil(dim / b)))
+    # the basis as rows (contiguous: V^T C and the reorthogonalisation are row-major GEMMs)
+    rows = torch.zeros(b * (blocks + 1), n_live, dtype=torch.float64, device=dev)
+    crows = torch.zeros_like(rows)  # (C V)^T, filled at the checks
+    rows[:b] = torch.linalg.qr(project(_start(n_live, b, dev, seed))).Q.T
+    n, done, checked = b, 0, 0
+    theta, u, worst = rows[0, :0], rows[:0].T, math.inf
+    first = max(2, math.ceil((want + 1) / b))
+    for j in range(blocks):
+        w = project(op(rows[n - b : n].T)).T
+        v = rows[:n]
+        w = w - (w @ v.T) @ v
+        w = w - (w @ v.T) @ v
+        q = torch.linalg.qr(w.T).Q.T
+        q = q - (q @ v.T) @ v  # a near-invariant space leaves noise in w: keep q orthogonal
+        rows[n : n + b] = torch.linalg.qr(q.T).Q.T
+        n += b
+        last = j + 1 == blocks or n >= dim
+        if not last and (j + 1 < first or n < 1.25 * checked):
+            continue
+        checked = n
+        m = min(n, dim)
+        crows[done:m] = project((rows[done:m] @ mat).T).T
+        done = m
+        v, cv = rows[:m], crows[:m]
+        t = v @ cv.T
+        ev, y = torch.linalg.eigh((t + t.T) * 0.5)
+        below = int((ev <= threshold).sum()) if math.isfinite(threshold) else 0
+        count = min(max(want, below + 1), m)
+        extra = min(count + 1, m)
+        yt = y[:, :extra].T
+        theta, u = ev[:extra], yt @ v
+        resid = torch.linalg.vector_norm(yt @ cv - theta[:, None] * u, dim=1)
+        th, rs = theta.cpu().tolist(), resid.cpu().tolist()
+        ok = _accept(th, rs, count, max(vectors, below), tight, value_tol, lam_max)
+        theta, u = theta[:count], u[:count].T
+        worst = max(rs[:count]) / lam_max
+        if ok and (below < count or m >= dim):
+            return theta, u, True, worst, j + 1, _cluster(theta, 1e-10 * lam_max)
+        if last:
+            break
+    return theta, u, False, worst, blocks, 0
+
+
+def _accept(theta, resid, count, n_tight, tight, value_tol, lam_max) -> bool:
+    for i in range(count):
+        r = resid[i]
+        if i < n_tight:
+            if r > tight * lam_max:
+                return False
+            continue
+        gap = math.inf
+        if i + 1 < len(theta):
+            gap = theta[i + 1] - theta[i] - resid[i + 1]
+        if i > 0:
+            gap = min(gap, theta[i] - theta[i - 1] - resid[i - 1])
+        if i + 1 >= len(theta):  # no neighbour above: only the linear bound
+            gap = 0.0
+        bound = min(r, r * r / gap) if gap > 0 else r
+        if bound > value_tol(theta[i]):
+            return False
+    return True
+
+
+def _cluster(values: torch.Tensor, width: float) -> int:
+    """The largest number of consecutive sorted values within ``width`` of their first."""
+    v = values.cpu().tolist()
+    best, start = 0, 0
+    for i in range(len(v)):
+        while v[i] - v[start] > width:
+            start += 1
+        best = max(best, i - start + 1)
+    return best
