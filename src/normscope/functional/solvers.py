@@ -52,6 +52,8 @@ TIGHT_TOL = 1e-13
 #: give them over lambda_max: 1e-12 is a hundredth of their 1e-10 rounding floor)
 VALUE_TOL = 1e-12
 MAX_BLOCK = 32
+#: Krylov blocks per block size at most (the reads' spectra need 15-45)
+MAX_ITER = 60
 #: the solvers a read may take: "fast" (these) or "dense" (one full eigh)
 SOLVERS = ("fast", "dense")
 _EPS = torch.finfo(torch.float64).eps
@@ -227,7 +229,7 @@ def bottom_eigh(
     constraint: torch.Tensor | None = None,
     vectors: int = 1,
     block: int = 2,
-    max_iter: int = 60,
+    max_iter: int | None = None,
     tight: float = TIGHT_TOL,
     value_tol: float = VALUE_TOL,
     value_rtol: float = 0.0,
@@ -248,7 +250,7 @@ def bottom_eigh(
             pairs always are); the others are held to ``value_tol`` (values only).
         block: the first block size; doubled (to ``MAX_BLOCK``) when a cluster of the
             returned values is as large as the block.
-        max_iter: Krylov blocks at most, per block size.
+        max_iter: Krylov blocks at most, per block size (None: :data:`MAX_ITER`).
         tight: true-residual tolerance (relative to ``lam_max``) of the pairs whose vectors
             are read.
         value_tol, value_rtol: the others' error bound ``min(r, r^2 / gap)`` must be
@@ -289,6 +291,7 @@ def bottom_eigh(
         def project(x: torch.Tensor) -> torch.Tensor:
             return x
 
+    max_iter = MAX_ITER if max_iter is None else max_iter
     n_zero = zero.numel()
     threshold = null_tol * lam_max if null_tol is not None else -math.inf
     want_live = max(want - n_zero, 1)
