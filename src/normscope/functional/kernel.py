@@ -176,7 +176,10 @@ def kernel_read(
         return empty("non_finite_covariance")
     factor = None
     if use_fast(solver, d, max(bottom_k, 1)):
-        fast = _fast_spectrum(c, max(bottom_k, 1), null_tol)
+        try:
+            fast = _fast_spectrum(c, max(bottom_k, 1), null_tol)
+        except RuntimeError:  # a device solver that failed: the dense route answers
+            fast = None
         if fast is None:
             fallbacks = 1
         elif not fast[0] > 0:
@@ -186,6 +189,7 @@ def kernel_read(
             route = "fast"
             lam_d, values, vectors, null_dim, factor = fast
             u_1, u_0, low = vectors[:, 0], vectors[:, :null_dim], float(values[0])
+            bottom_vectors = vectors
             bottom = tuple((values[:bottom_k] / lam_d).tolist())
     if route == "dense":
         try:
@@ -212,7 +216,10 @@ def kernel_read(
         residual = symmetric_eigvalsh(pcp)[-1] / lam_d
         floor = None
         if factor is not None:
-            floor = _fast_floor(c, removed, pcp, low, factor)
+            try:
+                floor = _fast_floor(c, removed, pcp, low, factor, bottom_vectors)
+            except RuntimeError:
+                floor = None
             if floor is None:
                 fallbacks, route = 1, "dense"
         if floor is None:
@@ -275,7 +282,12 @@ def _fast_spectrum(c: torch.Tensor, want: int, null_tol: float):
 
 
 def _fast_floor(
-    c: torch.Tensor, removed: torch.Tensor, pcp: torch.Tensor, low: float, factor
+    c: torch.Tensor,
+    removed: torch.Tensor,
+    pcp: torch.Tensor,
+    low: float,
+    factor: ShiftedCholesky,
+    vectors: torch.Tensor,
 ) -> float | None:
     """:func:`_restricted_floor` without ``Q^T C Q``: the bottom of ``C`` on the complement of
     ``removed`` by shift-invert Lanczos on the bordered solve of ``factor`` (None when it did
@@ -286,9 +298,13 @@ def _fast_floor(
     if k == 0:
         mean = float(torch.trace(c)) / d
         return low / mean if mean > 0 else _NAN
+    # warm start: the bottom pair of C off the removed span (the restricted bottom vector
+    # lies mostly in the span of C's bottom ones; for a LayerNorm it is C's first live one)
+    near = vectors - removed @ (removed.T @ vectors)
+    pick = torch.argmax((torch.linalg.vector_norm(near, dim=0) > 0.5).to(torch.int8)).reshape(1)
     out = bottom_eigh(
         factor.c, 1, factor.lam_max, factor=factor, constraint=removed, vectors=0,
-        value_tol=1e-15, value_rtol=1e-12,
+        value_tol=1e-15, value_rtol=1e-11, block=1, start=near[:, pick],
     )  # fmt: skip
     if not out.converged:
         return None

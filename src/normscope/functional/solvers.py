@@ -233,6 +233,7 @@ def bottom_eigh(
     tight: float = TIGHT_TOL,
     value_tol: float = VALUE_TOL,
     value_rtol: float = 0.0,
+    start: torch.Tensor | None = None,
     seed: int = 0,
 ) -> BottomEigs:
     """The ``want`` smallest eigenpairs of a symmetric PSD ``c`` by block shift-invert Lanczos.
@@ -255,6 +256,8 @@ def bottom_eigh(
             are read.
         value_tol, value_rtol: the others' error bound ``min(r, r^2 / gap)`` must be
             ``<= value_tol * lam_max + value_rtol * theta``.
+        start: a first block ``(d, block)`` (a warm start: vectors near the wanted ones);
+            random when None.
 
     Example::
 
@@ -295,20 +298,24 @@ def bottom_eigh(
     n_zero = zero.numel()
     threshold = null_tol * lam_max if null_tol is not None else -math.inf
     want_live = max(want - n_zero, 1)
+    # a repeated eigenvalue matters where vectors are read or eigenvalues counted; a value
+    # alone (vectors=0, no null_tol) is found by one vector whatever its multiplicity
+    counted = vectors > 0 or null_tol is not None or want > 1
     iters = 0
     b = block
     while True:
         res = _krylov(
             mat, op, project, dim, want_live, max(vectors - n_zero, 0), threshold, b, max_iter, tight,
-            lambda th: value_tol * lam_max + value_rtol * abs(th), lam_max, seed,
+            lambda th: value_tol * lam_max + value_rtol * abs(th), lam_max,
+            start if start is not None and start.shape[1] == b else _start(mat.shape[0], b, c.device, seed),
         )  # fmt: skip
         vals, vecs, ok, resid, it, cluster = res
         iters += it
-        if not ok or cluster < b or b >= MAX_BLOCK or b >= dim:
+        if not ok or not counted or cluster < b or b >= MAX_BLOCK or b >= dim:
             break
         b = min(2 * b, MAX_BLOCK)
     reason = None if ok else "not_converged"
-    if ok and cluster >= b and b < dim:
+    if ok and counted and cluster >= b and b < dim:
         ok, reason = False, "cluster_fills_block"
     if n_zero:
         full = torch.zeros(d, vecs.shape[1], dtype=torch.float64, device=c.device)
@@ -324,7 +331,7 @@ def bottom_eigh(
 
 
 def _krylov(
-    mat, op, project, dim, want, vectors, threshold, b, max_iter, tight, value_tol, lam_max, seed
+    mat, op, project, dim, want, vectors, threshold, b, max_iter, tight, value_tol, lam_max, x0
 ):
     """Block Lanczos on ``op`` (an inverse of ``mat`` + shift), Rayleigh-Ritz on ``mat`` itself
     (the solves' rounding, large along a near-null direction, then never enters a number).
@@ -343,7 +350,7 @@ def _krylov(
     # the basis as rows (contiguous: V^T C and the reorthogonalisation are row-major GEMMs)
     rows = torch.zeros(b * (blocks + 1), n_live, dtype=torch.float64, device=dev)
     crows = torch.zeros_like(rows)  # (C V)^T, filled at the checks
-    rows[:b] = torch.linalg.qr(project(_start(n_live, b, dev, seed))).Q.T
+    rows[:b] = torch.linalg.qr(project(x0[:, :b])).Q.T
     n, done, checked = b, 0, 0
     theta, u, worst = rows[0, :0], rows[:0].T, math.inf
     first = max(2, math.ceil((want + 1) / b))
