@@ -37,6 +37,13 @@ EPS = torch.finfo(torch.float64).eps
 CUDA = torch.cuda.is_available()
 
 
+@pytest.fixture(autouse=True)
+def fast_at_every_width(monkeypatch, request):
+    """The fast route at the widths tested here (by default it starts at FAST_MIN_DIM)."""
+    if "default_route" not in request.node.name:
+        monkeypatch.setattr(solvers, "FAST_MIN_DIM", 1)
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -178,12 +185,10 @@ def test_kernel_read_fast_equals_dense(case: str, d: int) -> None:
 
 @pytest.mark.parametrize("d", [16, 64])
 @pytest.mark.parametrize("case", ["layernorm", "rmsnorm", "dead-channels", "rank-deficient"])
-def test_small_widths_forced_fast(monkeypatch, case: str, d: int) -> None:
-    """Below FAST_MIN_DIM the default is dense (faster there); forced, the solver agrees."""
+def test_small_widths_forced_fast(case: str, d: int) -> None:
+    """Small widths (dense by default, faster there) with the fast route forced."""
     build, kw, null_tol = CASES[case]
     c, gamma, n, kind = build(d, **kw)
-    assert kernel_read(c, gamma, n, declared_kind=kind).solver == "dense"
-    monkeypatch.setattr(solvers, "FAST_MIN_DIM", 1)
     k = 3 if d == 16 else 8
     fast = kernel_read(c, gamma, n, null_tol=null_tol, declared_kind=kind, bottom_k=k)
     dense = kernel_read(
@@ -265,6 +270,15 @@ def test_dense_is_the_old_route_exactly() -> None:
     assert read.live_floor == _restricted_floor(c, p)
     s = c + torch.outer(c[0], c[0]) * 0  # any PSD matrix
     assert sigma_min(s, n, solver="dense") == math.sqrt(max(float(symmetric_eigvalsh(s)[0]), 0))
+
+
+def test_default_route_by_width() -> None:
+    """Dense below FAST_MIN_DIM (no fallback counted), fast from there."""
+    for d in (64, solvers.FAST_MIN_DIM):
+        c, gamma, n, kind = layernorm(d)
+        read = kernel_read(c, gamma, n, declared_kind=kind)
+        fast = d >= solvers.FAST_MIN_DIM
+        assert (read.solver, read.dense_fallbacks) == ("fast" if fast else "dense", 0)
 
 
 def test_bad_solver_name() -> None:

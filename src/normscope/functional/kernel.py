@@ -129,7 +129,7 @@ def kernel_read(
         declared_kind: ``"layernorm"``, ``"rmsnorm"`` or None (what the module says it is).
         bottom_k: how many bottom eigenvalues to keep in ``bottom_eigenvalues``.
         solver: ``"fast"`` (default: :mod:`normscope.functional.solvers`, every number equal
-            to the dense route's within 1e-10; it takes the dense route below ``d = 128`` or
+            to the dense route's within 1e-10; it takes the dense route below ``d = 320`` or
             when ``bottom_k >= d / 4``, and whenever it cannot verify its answer, counted in
             ``dense_fallbacks``) or ``"dense"`` (a full float64 ``eigh`` of ``C`` and one of
             ``C`` restricted to the live space).
@@ -268,7 +268,8 @@ def rmsnorm_alignment_max(d: int) -> float:
 def _fast_spectrum(c: torch.Tensor, want: int, null_tol: float):
     """``(lambda_d, values, vectors, null_dim, factor)`` by the fast solvers, None when one
     of them did not verify (``(0.0, ...)`` for a zero matrix)."""
-    c = (c + c.T) * 0.5  # what symmetric_eigh reads
+    # No (C + C^T) / 2 here (symmetric_eigh's): the Cholesky reads one triangle and the
+    # Rayleigh quotients are the same for both; they differ by rounding, ~1e-16 of lambda_d.
     lam_d, ok = lambda_max(c)
     if not ok:
         return None

@@ -121,11 +121,10 @@ def _fast_bottom(s: torch.Tensor) -> float | None:
     """``lambda_1(S)`` by shift-invert Lanczos on one Cholesky factor (values only, error
     bound ``<= 1e-11 lambda_1 + 1e-15 ||S||_F``); None when it did not verify. The Frobenius
     norm (``>= lambda_max``) scales the shift: no Lanczos for ``lambda_max`` is needed."""
-    sym = (s + s.T) * 0.5
-    scale = float(torch.linalg.matrix_norm(sym))
+    scale = float(torch.linalg.matrix_norm(s))  # no (S + S^T) / 2: see kernel._fast_spectrum
     if not scale > 0:
         return 0.0
-    out = bottom_eigh(sym, 1, scale, vectors=0, value_tol=1e-15, value_rtol=1e-11, block=1)
+    out = bottom_eigh(s, 1, scale, vectors=0, value_tol=1e-15, value_rtol=1e-11, block=1)
     return float(out.values[0]) if out.converged else None
 
 
@@ -136,7 +135,7 @@ def sigma_min(second_moment: torch.Tensor, n_rows: int, *, solver: str = "fast")
         second_moment: ``S`` ``(d, d)`` (:meth:`StreamingCovariance.second_moment`).
         n_rows: rows behind ``S``.
         solver: ``"fast"`` (shift-invert Lanczos on one Cholesky factor,
-            :mod:`normscope.functional.solvers`; dense below ``d = 128`` and when it cannot
+            :mod:`normscope.functional.solvers`; dense below ``d = 320`` and when it cannot
             verify its answer) or ``"dense"`` (a full ``eigvalsh``).
 
     Returns:
