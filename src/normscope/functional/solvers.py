@@ -367,7 +367,7 @@ def _krylov(
         rows[n : n + b] = torch.linalg.qr(q.T).Q.T
         n += b
         last = j + 1 == blocks or n >= dim
-        if not last and (j + 1 < first or n < 1.25 * checked):
+        if not last and (j + 1 < first or n < 1.1 * checked):
             continue
         checked = n
         m = min(n, dim)
