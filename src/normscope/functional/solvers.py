@@ -1,29 +1,28 @@
 """Fast exact extreme eigenpairs of a symmetric positive semi-definite float64 matrix.
 
 The reads need a few numbers of a ``d x d`` covariance, never its whole spectrum: the largest
-eigenvalue, the bottom ``m`` eigenpairs (with every eigenvalue under a null threshold) and one
-constrained bottom eigenvalue (the live floor). A full ``eigh`` costs ``~9 d^3`` flops at a
-poor rate; here they come from
+eigenvalue, the bottom ``m`` eigenpairs (every eigenvalue under a null threshold among them)
+and one constrained bottom eigenvalue (the live floor). They come from
 
 * :func:`lambda_max` -- Lanczos on ``C`` (matrix-vector products, full reorthogonalisation);
-* :class:`ShiftedCholesky` -- ONE Cholesky factor of ``C + s I`` (``s`` a few ``d eps``
-  of ``lambda_max`` so that exact zeros factor; retried with a larger shift), exact zero
-  columns set apart (their eigenpairs ``(0, e_i)`` are exact), its solves two triangular
-  solves (``torch.linalg.solve_triangular``: ``cholesky_solve`` was 12x slower on one vector);
-  with a basis ``P`` it also solves ``C + s I`` restricted to ``P``'s orthogonal complement
-  (the bordered system, ``k`` extra solves once);
-* :func:`bottom_eigh` -- block shift-invert Lanczos on that factor with full
-  reorthogonalisation. A block of ``b`` vectors finds an eigenvalue repeated up to ``b``
-  times; a cluster as large as the block is answered by a doubled block (up to
-  ``MAX_BLOCK``), then by "not converged".
+* :class:`ShiftedCholesky` -- ONE Cholesky factor of ``C + s I`` (``s = 16 d eps lambda_max``
+  so that exact zeros factor; retried larger), exact zero columns set apart (their pairs
+  ``(0, e_i)`` are exact), solves by two ``solve_triangular`` (``cholesky_solve`` was 12x
+  slower on one vector); with a basis ``P`` also the solve restricted to ``P``'s complement
+  (the bordered system: ``k`` extra solves, once);
+* :func:`bottom_eigh` -- block shift-invert Lanczos on that factor, full reorthogonalisation.
+  A block of ``b`` finds an eigenvalue repeated up to ``b`` times; a cluster as large as the
+  block is answered by a doubled block (up to ``MAX_BLOCK``), then by "not converged".
+  ``null_dim`` is counted on the verified Ritz values, with the next value above the
+  threshold verified too: an inertia count (``ldl_factor`` of ``C - tI``) measured as a
+  second factorisation as dear as the Cholesky (23.5 against 20.6 ms at d = 1024).
 
-The Ritz pairs are a Rayleigh-Ritz of ``C`` itself on the Krylov space (the shift and the
-solves' rounding only shape the space; they never enter a number), and every pair is checked
-by its true residual ``r = ||C u - theta u||``: ``r <= 1e-13 lambda_max`` where its vector is
-read (the bottom one, the null space), ``min(r, r^2 / gap) <= 1e-12 lambda_max`` where only
-its value is (the eigenvalue error bound). A result that is not verified says so
-(``converged=False``): the caller falls back to the dense ``symmetric_eigh`` and counts it.
-Everything stays on the matrix's device; the only host syncs are the convergence checks.
+The pairs are a Rayleigh-Ritz of ``C`` itself on the Krylov space (the shift and the solves'
+rounding only shape the space), each checked by its true residual ``r = ||C u - theta u||``:
+``r <= 1e-13 lambda_max`` where its vector is read (the bottom one, the null space),
+``min(r, r^2 / gap) <= 1e-12 lambda_max`` where only its value is. An unverified result says
+so (``converged=False``): the caller falls back to the dense route and counts it. Everything
+stays on the matrix's device; the only host syncs are the convergence checks.
 """
 
 from __future__ import annotations
@@ -33,16 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "FAST_MIN_DIM",
-    "SOLVERS",
-    "BottomEigs",
-    "ShiftedCholesky",
-    "bottom_eigh",
-    "check_solver",
-    "lambda_max",
-    "use_fast",
-]
+__all__ = ["FAST_MIN_DIM", "SOLVERS", "BottomEigs", "ShiftedCholesky", "bottom_eigh"]
+__all__ += ["check_solver", "lambda_max", "use_fast"]
 
 #: below this width the dense solvers are as fast or faster (measured crossover: kernel_read
 #: ~256, sigma_min ~320; benchmarks/RESULTS.md, "Fast solvers")
@@ -92,8 +83,9 @@ def lambda_max(
     """The largest eigenvalue of a symmetric PSD ``c`` by Lanczos (full reorthogonalisation).
 
     Stops when the Ritz value's error bound ``min(r, r^2 / gap)`` is ``<= tol * theta``
-    (``r`` the Ritz residual, ``gap`` to the next Ritz value) or the Krylov space is
-    invariant. Returns ``(value, converged)``.
+    (``r`` the Ritz residual, ``gap`` to the next Ritz value), checked again with the Ritz
+    vector's true residual (one more product). Returns ``(value, converged)``: the
+    vector's Rayleigh quotient.
 
     Example::
 
@@ -107,8 +99,7 @@ def lambda_max(
     basis = torch.zeros(steps + 1, d, dtype=torch.float64, device=c.device)  # rows: contiguous
     v = _start(d, 1, c.device, seed)[:, 0]
     basis[0] = v / torch.linalg.vector_norm(v)
-    alphas: list[torch.Tensor] = []
-    betas: list[torch.Tensor] = []
+    alphas, betas = [], []  # the tridiagonal T, kept on the device until a check
     theta = 0.0
     for j in range(steps):
         w = c @ basis[j]
@@ -131,16 +122,19 @@ def lambda_max(
         if theta <= 0:
             return theta, bool(r == 0)
         if min(r, r * r / max(gap, 1e-300)) <= tol * theta or j + 1 == d:
-            return theta, True
+            u = y[:, -1].to(c.device) @ basis[: j + 1]  # the true residual: a lost
+            cu = c @ u  # orthogonality (a near-invariant space) shows here
+            theta = float(u @ cu / (u @ u))
+            r = float(torch.linalg.vector_norm(cu - theta * u) / torch.linalg.vector_norm(u))
+            return theta, min(r, r * r / max(gap, 1e-300)) <= 10 * tol * theta
     return theta, False
 
 
 class ShiftedCholesky:
     """One Cholesky factor of ``C + s I`` and its solves.
 
-    Columns of ``C`` that are exactly zero are set apart (``zero``): they are exact eigenpairs
-    ``(0, e_i)`` and make ``C + s I`` diagonal there. ``s = 16 d eps lambda_max`` first, then
-    1e3 and 1e6 times that; ``ok`` is False when none factors.
+    Exactly zero columns are set apart (``zero``: exact pairs ``(0, e_i)``). ``s = 16 d eps
+    lambda_max``, then 1e3 and 1e6 times that; ``ok`` is False when none factors.
 
     Example::
 
@@ -186,10 +180,8 @@ class ShiftedCholesky:
         return out
 
     def restricted(self, p: torch.Tensor):
-        """The solve of ``C + s I`` restricted to the orthogonal complement of ``P`` (``d x k``,
-        orthonormal): ``x = A^-1 b - Z (P^T Z)^-1 Z^T b``, ``Z = A^-1 P``, for ``b`` orthogonal to
-        ``P`` (the bordered system; ``x`` is orthogonal to ``P`` and ``A x - b`` lies in its span).
-        """
+        """``A = C + s I`` solved on the complement of an orthonormal ``P`` (the bordered system):
+        ``x = A^-1 b - Z (P^T Z)^-1 Z^T b``, ``Z = A^-1 P``; ``x`` is orthogonal to ``P``."""
         z = self.solve(p)
         g = p.T @ z
         g = (g + g.T) * 0.5
@@ -203,14 +195,10 @@ class ShiftedCholesky:
 
 @dataclass(frozen=True)
 class BottomEigs:
-    """The bottom eigenpairs of ``C`` (ascending) and how they were verified.
-
-    ``values`` ``(m,)`` and ``vectors`` ``(d, m)`` on ``C``'s device: at least the ``want``
-    asked for and, when ``null_tol`` was given, every eigenvalue ``<= null_tol * lambda_max``
-    plus the next one (so ``null_dim`` is counted with a verified gap). ``residual`` is the
-    largest ``||C u - theta u|| / lambda_max``; ``converged`` False means "use the dense
-    route" (``reason`` says why).
-    """
+    """The bottom eigenpairs of ``C`` (ascending, on its device) and how they were verified:
+    at least ``want`` and, with ``null_tol``, every eigenvalue ``<= null_tol * lambda_max`` and
+    the next one (``null_dim`` counted with a verified gap). ``residual``: the largest
+    ``||C u - theta u|| / lambda_max``; ``converged`` False: use the dense route (``reason``)."""
 
     values: torch.Tensor
     vectors: torch.Tensor
@@ -279,9 +267,8 @@ def bottom_eigh(
     """
     d = c.shape[0]
     f = factor if factor is not None else ShiftedCholesky(c, lam_max)
-    empty = torch.zeros(0, dtype=torch.float64, device=c.device)
     if not f.ok:
-        return BottomEigs(empty, c[:, :0], None, False, math.inf, 0, block, "cholesky_failed")
+        return BottomEigs(c[0, :0], c[:, :0], None, False, math.inf, 0, block, "cholesky_failed")
     if constraint is not None and constraint.shape[1] > 0:
         p = constraint
         op = f.restricted(p)
@@ -336,16 +323,12 @@ def bottom_eigh(
 def _krylov(
     mat, op, project, dim, want, vectors, threshold, b, max_iter, tight, value_tol, lam_max, x0
 ):
-    """Block Lanczos on ``op`` (an inverse of ``mat`` + shift), Rayleigh-Ritz on ``mat`` itself
-    (the solves' rounding, large along a near-null direction, then never enters a number).
-
-    Pair ``i`` is accepted when its true residual ``r_i`` is ``<= tight * lam_max`` (the bottom
-    pair and every pair under ``threshold``: their vectors are read) or, for the others (only
-    their values are read), when ``min(r_i, r_i^2 / gap_i) <= value_tol(theta_i)``, ``gap_i``
-    the distance to the neighbouring Ritz values less their residuals. Returns ``(values,
-    vectors, ok, residual, blocks, cluster)``, ``cluster`` the size of the largest group of
-    returned values within ``1e-10 lam_max`` (a repeated eigenvalue the block may not hold
-    in full)."""
+    """Block Lanczos on ``op`` (``(mat + s I)^-1``), Rayleigh-Ritz on ``mat`` itself (the solves'
+    rounding, large along a near-null direction, never enters a number). Pair ``i`` passes
+    when its true residual ``r_i <= tight * lam_max`` (the first ``vectors`` and those under
+    ``threshold``: their vectors are read), else when ``min(r_i, r_i^2 / gap_i) <=
+    value_tol(theta_i)``. Returns ``(values, vectors, ok, residual, blocks, cluster)``,
+    ``cluster`` the largest group of values within ``1e-10 lam_max`` of one another."""
     n_live = mat.shape[0]
     dev = mat.device
     b = min(b, dim)
