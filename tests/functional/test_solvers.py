@@ -233,6 +233,7 @@ def test_fallback_taken_and_counted(monkeypatch) -> None:
     c, gamma, n, kind = layernorm(256)
     dense = kernel_read(c, gamma, n, declared_kind=kind, solver="dense")
     monkeypatch.setattr(solvers, "MAX_ITER", 1)
+    monkeypatch.setattr(solvers, "KRYLOV_SHARE", 0.0)
     read = kernel_read(c, gamma, n, declared_kind=kind)
     assert (read.solver, read.dense_fallbacks) == ("dense", 1)
     assert read == dataclass_replace(dense, dense_fallbacks=1)

@@ -46,8 +46,9 @@ TIGHT_TOL = 1e-13
 #: give them over lambda_max: 1e-12 is a hundredth of their 1e-10 rounding floor)
 VALUE_TOL = 1e-12
 MAX_BLOCK = 32
-#: Krylov blocks per block size at most (the reads' spectra need 15-45)
-MAX_ITER = 60
+#: Krylov blocks per block size at least (test spectra: 15-45), and the share of the width
+#: the space may reach beyond (a lambda_i ~ i^-2 tail: 140 vectors at d = 448)
+MAX_ITER, KRYLOV_SHARE = 60, 0.5
 #: the solvers a read may take: "fast" (these) or "dense" (one full eigh)
 SOLVERS = ("fast", "dense")
 _EPS = torch.finfo(torch.float64).eps
@@ -155,8 +156,7 @@ class ShiftedCholesky:
         self.zero = torch.nonzero(zero_mask).flatten()
         self.live = torch.nonzero(~zero_mask).flatten()
         self.c_live = c if self.zero.numel() == 0 else c[self.live][:, self.live]
-        self.ok = False
-        self.shift = 16 * max(d, 1) * _EPS * max(lam_max, 1e-300)
+        self.ok, self.shift = False, 16 * max(d, 1) * _EPS * max(lam_max, 1e-300)
         for _ in range(3):
             a = self.c_live.clone()
             a.diagonal().add_(self.shift)
@@ -242,7 +242,8 @@ def bottom_eigh(
             pairs always are); the others are held to ``value_tol`` (values only).
         block: the first block size; doubled (to ``MAX_BLOCK``) when a cluster of the
             returned values is as large as the block.
-        max_iter: Krylov blocks at most, per block size (None: :data:`MAX_ITER`).
+        max_iter: Krylov blocks at most, per block size (None: :data:`MAX_ITER` or
+            ``KRYLOV_SHARE * d / block``, the larger).
         tight: true-residual tolerance (relative to ``lam_max``) of the pairs whose vectors
             are read.
         value_tol, value_rtol: the others' error bound ``min(r, r^2 / gap)`` must be
@@ -284,18 +285,17 @@ def bottom_eigh(
         def project(x: torch.Tensor) -> torch.Tensor:
             return x
 
-    max_iter = MAX_ITER if max_iter is None else max_iter
     n_zero = zero.numel()
     threshold = null_tol * lam_max if null_tol is not None else -math.inf
     want_live = max(want - n_zero, 1)
     # a repeated eigenvalue matters where vectors are read or eigenvalues counted; a value
     # alone (vectors=0, no null_tol) is found by one vector whatever its multiplicity
     counted = vectors > 0 or null_tol is not None or want > 1
-    iters = 0
-    b = block
+    iters, b = 0, block
     while True:
+        it_max = max(MAX_ITER, int(KRYLOV_SHARE * dim / b)) if max_iter is None else max_iter
         res = _krylov(
-            mat, op, project, dim, want_live, max(vectors - n_zero, 0), threshold, b, max_iter, tight,
+            mat, op, project, dim, want_live, max(vectors - n_zero, 0), threshold, b, it_max, tight,
             lambda th: value_tol * lam_max + value_rtol * abs(th), lam_max,
             start if start is not None and start.shape[1] == b else _start(mat.shape[0], b, c.device, seed),
         )  # fmt: skip
