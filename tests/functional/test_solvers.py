@@ -106,6 +106,13 @@ def repeated(d: int, seed: int = 0):
     return spectrum(d, [2e-3, 2e-3, 2e-3, 3e-3, 4e-3], seed)
 
 
+def power_law(d: int, seed: int = 0):
+    """``lambda_i = i^-2``: a trained model's heavy tail, bottom values 0.5% apart."""
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=_gen(seed), dtype=torch.float64))
+    c = (q * torch.arange(1, d + 1, dtype=torch.float64) ** -2.0) @ q.T
+    return (c + c.T) / 2, _gamma(d, seed), 4 * d, "rmsnorm"
+
+
 def rank_deficient(d: int, seed: int = 0):
     """``S`` of rows with three exactly dependent columns (three zero eigenvalues)."""
     x = _inputs(d, seed).double()
@@ -126,6 +133,7 @@ CASES = {
     "clustered": (clustered, {}, 1e-10),
     "repeated": (repeated, {}, 1e-10),
     "rank-deficient": (rank_deficient, {}, 1e-10),
+    "power-law": (power_law, {}, 1e-10),
 }
 ILL_POSED_U1 = {"repeated"}  # a repeated bottom eigenvalue: u_1 is any vector of its space
 
