@@ -29,6 +29,7 @@ Usage::
 
     python benchmarks/read_cost.py                       # d in 256 .. 2048 (+ eigh at 4096)
     python benchmarks/read_cost.py --dims 256 512 --models 2x128 --out /tmp/read_cost
+    python benchmarks/read_cost.py --dims 1024 2048 --eigh-only-dims --models --spectrum power-law
 """
 
 from __future__ import annotations
@@ -68,26 +69,41 @@ PRIMITIVES = (
 )
 
 
-def test_matrix(d: int, seed: int = 0, device: torch.device = CPU) -> torch.Tensor:
-    """A float64 SPD ``d x d`` matrix ``X^T X / 2d``, column scales log-spaced over 3 decades.
+def test_matrix(
+    d: int, seed: int = 0, device: torch.device = CPU, spectrum: str = "test"
+) -> torch.Tensor:
+    """A float64 SPD ``d x d`` matrix ``X^T X / 2d``, column scales log-spaced over 3 decades;
+    ``spectrum="power-law"``: ``Q diag(i^-2) Q^T`` instead (a trained model's heavy tail, the
+    bottom eigenvalues 0.5% apart: the fast solvers' hard case).
 
     Example::
 
         >>> c = test_matrix(8)
         >>> c.shape, bool((torch.linalg.eigvalsh(c) > 0).all())
         (torch.Size([8, 8]), True)
+        >>> round(float(torch.linalg.eigvalsh(test_matrix(8, spectrum="power-law"))[0]), 6)
+        0.015625
     """
     g = torch.Generator(device=device).manual_seed(seed)
+    if spectrum == "power-law":
+        q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64, device=device))
+        c = (q * torch.arange(1, d + 1, dtype=torch.float64, device=device) ** -2.0) @ q.T
+        return (c + c.T) / 2
     x = torch.randn(2 * d, d, generator=g, dtype=torch.float64, device=device)
     x *= torch.logspace(0, -3, d, dtype=torch.float64, device=device)
     return x.T @ x / (2 * d)
 
 
 def primitive_costs(
-    d: int, repeats: int, warmup: int, only: tuple[str, ...] = PRIMITIVES, device=CPU
+    d: int,
+    repeats: int,
+    warmup: int,
+    only: tuple[str, ...] = PRIMITIVES,
+    device=CPU,
+    spectrum: str = "test",
 ) -> dict[str, float]:
     """Median seconds of each read primitive at width ``d``."""
-    c = test_matrix(d, device=device)
+    c = test_matrix(d, device=device, spectrum=spectrum)
     g = torch.Generator(device=device).manual_seed(1)
     gamma = 1.0 + 0.1 * torch.randn(d, generator=g, dtype=torch.float64, device=device)
     n = 2 * d
@@ -208,6 +224,12 @@ def main() -> None:
         "--threads", type=int, default=1, help="CPU threads (1: reproducible on a shared machine)"
     )
     parser.add_argument("--out", default=None, help="also write <out>.md and <out>.json")
+    parser.add_argument(
+        "--spectrum",
+        choices=("test", "power-law"),
+        default="test",
+        help="part 1's matrix: the log-scaled X^T X (default) or Q diag(i^-2) Q^T",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -217,7 +239,7 @@ def main() -> None:
 
     prim: list[dict[str, Any]] = []
     for d in args.dims:
-        costs = primitive_costs(d, args.repeats, 1 if d <= 1024 else 0)
+        costs = primitive_costs(d, args.repeats, 1 if d <= 1024 else 0, spectrum=args.spectrum)
         prim.append({"d": d, **costs})
         print(f"d={d}: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in costs.items()), flush=True)
     for d in args.eigh_only_dims:
