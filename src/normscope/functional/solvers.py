@@ -298,6 +298,7 @@ def bottom_eigh(
             mat, op, project, dim, want_live, max(vectors - n_zero, 0), threshold, b, it_max, tight,
             lambda th: value_tol * lam_max + value_rtol * abs(th), lam_max,
             start if start is not None and start.shape[1] == b else _start(mat.shape[0], b, c.device, seed),
+            f.shift,
         )  # fmt: skip
         vals, vecs, ok, resid, it, cluster = res
         iters += it
@@ -321,8 +322,9 @@ def bottom_eigh(
 
 
 def _krylov(
-    mat, op, project, dim, want, vectors, threshold, b, max_iter, tight, value_tol, lam_max, x0
-):
+    mat, op, project, dim, want, vectors, threshold, b, max_iter, tight, value_tol, lam_max, x0,
+    shift,
+):  # fmt: skip
     """Block Lanczos on ``op`` (``(mat + s I)^-1``), Rayleigh-Ritz on ``mat`` itself (the solves'
     rounding, large along a near-null direction, never enters a number). Pair ``i`` passes
     when its true residual ``r_i <= tight * lam_max`` (the first ``vectors`` and those under
@@ -340,31 +342,63 @@ def _krylov(
     n, done, checked = b, 0, 0
     theta, u, worst = rows[0, :0], rows[:0].T, math.inf
     first = max(2, math.ceil((want + 1) / b))
+    # values alone (no vectors read, nothing counted): the Ritz values of T = V^T op V come
+    # free from the orthogonalisation; C is applied only to verify a pair (one product)
+    cheap = vectors == 0 and not math.isfinite(threshold)
+    h = (
+        torch.zeros(rows.shape[0], rows.shape[0], dtype=torch.float64, device=dev)
+        if cheap
+        else None
+    )
     for j in range(blocks):
         w = project(op(rows[n - b : n].T)).T
         v = rows[:n]
-        w = w - (w @ v.T) @ v
-        w = w - (w @ v.T) @ v
-        q = torch.linalg.qr(w.T).Q.T
-        q = q - (q @ v.T) @ v  # a near-invariant space leaves noise in w: keep q orthogonal
-        rows[n : n + b] = torch.linalg.qr(q.T).Q.T
+        c1 = w @ v.T
+        w = w - c1 @ v
+        c2 = w @ v.T
+        w = w - c2 @ v
+        q, r1 = torch.linalg.qr(w.T)
+        q = q.T - (q.T @ v.T) @ v  # a near-invariant space leaves noise in w: keep q orthogonal
+        q, r2 = torch.linalg.qr(q.T)
+        rows[n : n + b] = q.T
+        if cheap:
+            h[:n, n - b : n], h[n : n + b, n - b : n] = (c1 + c2).T, r2 @ r1
         n += b
         last = j + 1 == blocks or n >= dim
         if not last and (j + 1 < first or n < 1.1 * checked):
             continue
         checked = n
-        m = min(n, dim)
-        crows[done:m] = project((rows[done:m] @ mat).T).T
-        done = m
-        v, cv = rows[:m], crows[:m]
-        t = v @ cv.T
-        ev, y = torch.linalg.eigh((t + t.T) * 0.5)
-        below = int((ev <= threshold).sum()) if math.isfinite(threshold) else 0
+        m = min(n, dim) if not cheap else n - b
+        if cheap:
+            mu, y = torch.linalg.eigh((h[:m, :m] + h[:m, :m].T) * 0.5)
+            mu, y = mu.flip(0), y.flip(1)[:, : min(want + 1, m)]
+            est = torch.linalg.vector_norm(h[m : m + b, m - b : m] @ y[m - b :], dim=0)
+            th, rs = (
+                (1 / mu[: y.shape[1]] - shift).tolist(),
+                (lam_max * est / mu[: y.shape[1]]).tolist(),
+            )
+            if not _accept(th, rs, min(want, m), 0, tight, value_tol, lam_max) and not last:
+                continue
+            yt, v = y.T, rows[:m]
+            u = yt @ v
+            cu = project((u @ mat).T).T
+        else:
+            crows[done:m] = project((rows[done:m] @ mat).T).T
+            done = m
+            v, cv = rows[:m], crows[:m]
+            t = v @ cv.T
+            ev, y = torch.linalg.eigh((t + t.T) * 0.5)
+        below = int((ev <= threshold).sum()) if not cheap and math.isfinite(threshold) else 0
         count = min(max(want, below + 1), m)
         extra = min(count + 1, m)
-        yt = y[:, :extra].T
-        theta, u = ev[:extra], yt @ v
-        resid = torch.linalg.vector_norm(yt @ cv - theta[:, None] * u, dim=1)
+        if cheap:
+            theta = (u * cu).sum(1)
+            order = torch.argsort(theta)
+            theta, u, cu = theta[order], u[order], cu[order]
+        else:
+            yt = y[:, :extra].T
+            theta, u, cu = ev[:extra], yt @ v, yt @ cv
+        resid = torch.linalg.vector_norm(cu - theta[:, None] * u, dim=1)
         th, rs = theta.cpu().tolist(), resid.cpu().tolist()
         ok = _accept(th, rs, count, max(vectors, below), tight, value_tol, lam_max)
         theta, u = theta[:count], u[:count].T
