@@ -129,7 +129,7 @@ def kernel_read(
         declared_kind: ``"layernorm"``, ``"rmsnorm"`` or None (what the module says it is).
         bottom_k: how many bottom eigenvalues to keep in ``bottom_eigenvalues``.
         solver: ``"fast"`` (default: :mod:`normscope.functional.solvers`, every number equal
-            to the dense route's within 1e-10; it takes the dense route below ``d = 320`` or
+            to the dense route's within 1e-10; it takes the dense route below ``d = 1024`` or
             when ``bottom_k >= d / 4``, and whenever it cannot verify its answer, counted in
             ``dense_fallbacks``) or ``"dense"`` (a full float64 ``eigh`` of ``C`` and one of
             ``C`` restricted to the live space).

@@ -135,7 +135,7 @@ def sigma_min(second_moment: torch.Tensor, n_rows: int, *, solver: str = "fast")
         second_moment: ``S`` ``(d, d)`` (:meth:`StreamingCovariance.second_moment`).
         n_rows: rows behind ``S``.
         solver: ``"fast"`` (shift-invert Lanczos on one Cholesky factor,
-            :mod:`normscope.functional.solvers`; dense below ``d = 320`` and when it cannot
+            :mod:`normscope.functional.solvers`; dense below ``d = 1024`` and when it cannot
             verify its answer) or ``"dense"`` (a full ``eigvalsh``).
 
     Returns:

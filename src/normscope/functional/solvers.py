@@ -35,9 +35,9 @@ import torch
 __all__ = ["FAST_MIN_DIM", "SOLVERS", "BottomEigs", "ShiftedCholesky", "bottom_eigh"]
 __all__ += ["check_solver", "lambda_max", "use_fast"]
 
-#: below this width the dense solvers are as fast or faster (measured crossover: kernel_read
-#: ~256, sigma_min ~320; benchmarks/RESULTS.md, "Fast solvers")
-FAST_MIN_DIM = 320
+#: below this width the dense solvers can be as fast or faster (crossover measured on a
+#: lambda_i ~ i^-2 spectrum between d = 768 and 1024; benchmarks/RESULTS.md, "Fast solvers")
+FAST_MIN_DIM = 1024
 #: true-residual tolerance, relative to lambda_max, of the pairs whose vectors are read (the
 #: bottom one and the null space: a vector is off by at most residual / gap; the attained
 #: residuals are ~1e-15)
