@@ -67,7 +67,7 @@ def use_fast(solver: str, d: int, want: int = 1) -> bool:
 
     Example::
 
-        >>> use_fast("fast", 512, 8), use_fast("fast", 64, 8), use_fast("dense", 512, 8)
+        >>> use_fast("fast", 2048, 8), use_fast("fast", 64, 8), use_fast("dense", 2048, 8)
         (True, False, False)
     """
     return solver == "fast" and d >= FAST_MIN_DIM and 4 * want < d
