@@ -38,9 +38,8 @@ __all__ += ["check_solver", "lambda_max", "use_fast"]
 #: below this width the dense solvers can be as fast or faster (crossover measured on a
 #: lambda_i ~ i^-2 spectrum between d = 768 and 1024; benchmarks/RESULTS.md, "Fast solvers")
 FAST_MIN_DIM = 1024
-#: true-residual tolerance, relative to lambda_max, of the pairs whose vectors are read (the
-#: bottom one and the null space: a vector is off by at most residual / gap; the attained
-#: residuals are ~1e-15)
+#: true-residual tolerance / lambda_max of the pairs whose vectors are read (the bottom one,
+#: the null space: a vector is off by at most residual / gap; attained ~1e-15)
 TIGHT_TOL = 1e-13
 #: error bound ``min(r, r^2 / gap)`` of the other values, relative to lambda_max (the reads
 #: give them over lambda_max: 1e-12 is a hundredth of their 1e-10 rounding floor)
@@ -183,8 +182,7 @@ class ShiftedCholesky:
         """``A = C + s I`` solved on the complement of an orthonormal ``P`` (the bordered system):
         ``x = A^-1 b - Z (P^T Z)^-1 Z^T b``, ``Z = A^-1 P``; ``x`` is orthogonal to ``P``."""
         z = self.solve(p)
-        g = p.T @ z
-        g = (g + g.T) * 0.5
+        g = (p.T @ z + z.T @ p) * 0.5
 
         def apply(b: torch.Tensor) -> torch.Tensor:
             x = self.solve(b) - z @ torch.linalg.solve(g, z.T @ b)
@@ -211,45 +209,25 @@ class BottomEigs:
 
 
 def bottom_eigh(
-    c: torch.Tensor,
-    want: int,
-    lam_max: float,
-    *,
-    factor: ShiftedCholesky | None = None,
-    null_tol: float | None = None,
-    constraint: torch.Tensor | None = None,
-    vectors: int = 1,
-    block: int = 2,
-    max_iter: int | None = None,
-    tight: float = TIGHT_TOL,
-    value_tol: float = VALUE_TOL,
-    value_rtol: float = 0.0,
-    start: torch.Tensor | None = None,
+    c: torch.Tensor, want: int, lam_max: float, *, factor: ShiftedCholesky | None = None,
+    null_tol: float | None = None, constraint: torch.Tensor | None = None, vectors: int = 1,
+    block: int = 2, max_iter: int | None = None, tight: float = TIGHT_TOL,
+    value_tol: float = VALUE_TOL, value_rtol: float = 0.0, start: torch.Tensor | None = None,
     seed: int = 0,
-) -> BottomEigs:
+) -> BottomEigs:  # fmt: skip
     """The ``want`` smallest eigenpairs of a symmetric PSD ``c`` by block shift-invert Lanczos.
 
     Args:
-        c: ``(d, d)`` float64, symmetric.
-        want: how many bottom pairs (at least 1).
-        lam_max: ``c``'s largest eigenvalue (:func:`lambda_max`); scales the shift and ``tol``.
+        c: ``(d, d)`` float64, symmetric; ``want``: how many bottom pairs (at least 1).
+        lam_max: ``c``'s largest eigenvalue (:func:`lambda_max`); scales the shift and tolerances.
         factor: a :class:`ShiftedCholesky` of ``c`` to reuse (made here when None).
-        null_tol: also return every eigenvalue ``<= null_tol * lam_max`` and one more, and
-            count them in ``null_dim``.
-        constraint: an orthonormal ``(d, k)`` ``P``: the bottom of ``C`` restricted to ``P``'s
-            complement instead (the residual is then ``(I - P P^T) C u - theta u``).
-        vectors: how many bottom pairs have their vectors read (held to ``tight``; the null
-            pairs always are); the others are held to ``value_tol`` (values only).
-        block: the first block size; doubled (to ``MAX_BLOCK``) when a cluster of the
-            returned values is as large as the block.
-        max_iter: Krylov blocks at most, per block size (None: :data:`MAX_ITER` or
-            ``KRYLOV_SHARE * d / block``, the larger).
-        tight: true-residual tolerance (relative to ``lam_max``) of the pairs whose vectors
-            are read.
-        value_tol, value_rtol: the others' error bound ``min(r, r^2 / gap)`` must be
-            ``<= value_tol * lam_max + value_rtol * theta``.
-        start: a first block ``(d, block)`` (a warm start: vectors near the wanted ones);
-            random when None.
+        null_tol: also every eigenvalue ``<= null_tol * lam_max`` and one more (``null_dim``).
+        constraint: an orthonormal ``(d, k)`` ``P``: the bottom of ``C`` on its complement.
+        vectors: bottom pairs whose vectors are read (held to ``tight``, as the null pairs);
+            the others are held to ``min(r, r^2 / gap) <= value_tol lam_max + value_rtol theta``.
+        block: the first block size, doubled (to ``MAX_BLOCK``) while a cluster fills it.
+        max_iter: Krylov blocks at most (None: ``MAX_ITER`` or ``KRYLOV_SHARE d / block``).
+        start: a first block ``(d, block)`` (a warm start); random when None.
 
     Example::
 
@@ -331,9 +309,7 @@ def _krylov(
     ``threshold``: their vectors are read), else when ``min(r_i, r_i^2 / gap_i) <=
     value_tol(theta_i)``. Returns ``(values, vectors, ok, residual, blocks, cluster)``,
     ``cluster`` the largest group of values within ``1e-10 lam_max`` of one another."""
-    n_live = mat.shape[0]
-    dev = mat.device
-    b = min(b, dim)
+    n_live, dev, b = mat.shape[0], mat.device, min(b, dim)
     blocks = max(1, min(max_iter, math.ceil(dim / b)))
     # the basis as rows (contiguous: V^T C and the reorthogonalisation are row-major GEMMs)
     rows = torch.zeros(b * (blocks + 1), n_live, dtype=torch.float64, device=dev)
@@ -345,18 +321,12 @@ def _krylov(
     # values alone (no vectors read, nothing counted): the Ritz values of T = V^T op V come
     # free from the orthogonalisation; C is applied only to verify a pair (one product)
     cheap = vectors == 0 and not math.isfinite(threshold)
-    h = (
-        torch.zeros(rows.shape[0], rows.shape[0], dtype=torch.float64, device=dev)
-        if cheap
-        else None
-    )
+    h = torch.zeros(rows.shape[0], rows.shape[0], dtype=torch.float64, device=dev) if cheap else None  # fmt: skip
     for j in range(blocks):
         w = project(op(rows[n - b : n].T)).T
         v = rows[:n]
-        c1 = w @ v.T
-        w = w - c1 @ v
-        c2 = w @ v.T
-        w = w - c2 @ v
+        w = w - (c1 := w @ v.T) @ v  # classical Gram-Schmidt, twice
+        w = w - (c2 := w @ v.T) @ v
         q, r1 = torch.linalg.qr(w.T)
         q = q.T - (q.T @ v.T) @ v  # a near-invariant space leaves noise in w: keep q orthogonal
         q, r2 = torch.linalg.qr(q.T)
@@ -373,14 +343,11 @@ def _krylov(
             mu, y = torch.linalg.eigh((h[:m, :m] + h[:m, :m].T) * 0.5)
             mu, y = mu.flip(0), y.flip(1)[:, : min(want + 1, m)]
             est = torch.linalg.vector_norm(h[m : m + b, m - b : m] @ y[m - b :], dim=0)
-            th, rs = (
-                (1 / mu[: y.shape[1]] - shift).tolist(),
-                (lam_max * est / mu[: y.shape[1]]).tolist(),
-            )
+            k = y.shape[1]  # Ritz values of C and C-residual bounds ||A|| r / mu from the estimates
+            th, rs = (1 / mu[:k] - shift).tolist(), (lam_max * est / mu[:k]).tolist()
             if not _accept(th, rs, min(want, m), 0, tight, value_tol, lam_max) and not last:
                 continue
-            yt, v = y.T, rows[:m]
-            u = yt @ v
+            u = y.T @ (v := rows[:m])
             cu = project((u @ mat).T).T
         else:
             crows[done:m] = project((rows[done:m] @ mat).T).T
@@ -392,8 +359,7 @@ def _krylov(
         count = min(max(want, below + 1), m)
         extra = min(count + 1, m)
         if cheap:
-            theta = (u * cu).sum(1)
-            order = torch.argsort(theta)
+            order = torch.argsort(theta := (u * cu).sum(1))
             theta, u, cu = theta[order], u[order], cu[order]
         else:
             yt = y[:, :extra].T
