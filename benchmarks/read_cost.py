@@ -6,10 +6,17 @@ a log-spread column scale, so that the spectrum spans six decades as a trained m
 * ``symmetric_eigh``   -- values and vectors (what every read calls);
 * ``eigvalsh``         -- values only, for reference (what ``sigma_min`` and the restricted
                           floor would need);
-* ``kernel_read``      -- one norm's output read: an eigh of ``C``, a 1x1 eigh, the complete QR of
-                          ``v*`` and an eigh of ``Q^T C Q`` (the live floor);
+* ``kernel_read``      -- one norm's output read, ``solver="dense"``: an eigh of ``C``, a 1x1
+                          eigh, the complete QR of ``v*`` and an eigvalsh of ``Q^T C Q``;
+* ``kernel_read_fast`` -- the same read, ``solver="fast"`` (the default): Lanczos for
+                          ``lambda_d``, one Cholesky of ``C + sI``, block shift-invert Lanczos for
+                          the bottom pairs and the live floor (functional/solvers.py);
 * ``schur_quotient``   -- one norm's input read: a Cholesky factor and a triangular solve;
-* ``sigma_min``        -- one residual point: an eigh of the second moment.
+* ``sigma_min``        -- one residual point, ``solver="dense"``: an eigvalsh of the second moment;
+* ``sigma_min_fast``   -- the same, ``solver="fast"``: one Cholesky and shift-invert Lanczos.
+
+"layer + point" is ``kernel_read + schur_quotient + sigma_min`` (one norm layer and its residual
+point), dense and fast, in units of the same run's ``symmetric_eigh``.
 
 Part 2, a whole :meth:`DeadDirectionTracker.read` on the example GPT (``examples/nanogpt.py``)
 at several depths and widths, the accumulators filled by one sampled forward of ``2d`` tokens
@@ -22,6 +29,7 @@ Usage::
 
     python benchmarks/read_cost.py                       # d in 256 .. 2048 (+ eigh at 4096)
     python benchmarks/read_cost.py --dims 256 512 --models 2x128 --out /tmp/read_cost
+    python benchmarks/read_cost.py --dims 1024 2048 --eigh-only-dims --models --spectrum power-law
 """
 
 from __future__ import annotations
@@ -50,38 +58,63 @@ from normscope.functional import (  # noqa: E402
 from normscope.monitors.dead_direction import DeadDirectionTracker  # noqa: E402
 
 CPU = torch.device("cpu")
-PRIMITIVES = ("symmetric_eigh", "eigvalsh", "kernel_read", "schur_quotient", "sigma_min")
+PRIMITIVES = (
+    "symmetric_eigh",
+    "eigvalsh",
+    "kernel_read",
+    "kernel_read_fast",
+    "schur_quotient",
+    "sigma_min",
+    "sigma_min_fast",
+)
 
 
-def test_matrix(d: int, seed: int = 0, device: torch.device = CPU) -> torch.Tensor:
-    """A float64 SPD ``d x d`` matrix ``X^T X / 2d``, column scales log-spaced over 3 decades.
+def test_matrix(
+    d: int, seed: int = 0, device: torch.device = CPU, spectrum: str = "test"
+) -> torch.Tensor:
+    """A float64 SPD ``d x d`` matrix ``X^T X / 2d``, column scales log-spaced over 3 decades;
+    ``spectrum="power-law"``: ``Q diag(i^-2) Q^T`` instead (a trained model's heavy tail, the
+    bottom eigenvalues 0.5% apart: the fast solvers' hard case).
 
     Example::
 
         >>> c = test_matrix(8)
         >>> c.shape, bool((torch.linalg.eigvalsh(c) > 0).all())
         (torch.Size([8, 8]), True)
+        >>> round(float(torch.linalg.eigvalsh(test_matrix(8, spectrum="power-law"))[0]), 6)
+        0.015625
     """
     g = torch.Generator(device=device).manual_seed(seed)
+    if spectrum == "power-law":
+        q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64, device=device))
+        c = (q * torch.arange(1, d + 1, dtype=torch.float64, device=device) ** -2.0) @ q.T
+        return (c + c.T) / 2
     x = torch.randn(2 * d, d, generator=g, dtype=torch.float64, device=device)
     x *= torch.logspace(0, -3, d, dtype=torch.float64, device=device)
     return x.T @ x / (2 * d)
 
 
 def primitive_costs(
-    d: int, repeats: int, warmup: int, only: tuple[str, ...] = PRIMITIVES, device=CPU
+    d: int,
+    repeats: int,
+    warmup: int,
+    only: tuple[str, ...] = PRIMITIVES,
+    device=CPU,
+    spectrum: str = "test",
 ) -> dict[str, float]:
     """Median seconds of each read primitive at width ``d``."""
-    c = test_matrix(d, device=device)
+    c = test_matrix(d, device=device, spectrum=spectrum)
     g = torch.Generator(device=device).manual_seed(1)
     gamma = 1.0 + 0.1 * torch.randn(d, generator=g, dtype=torch.float64, device=device)
     n = 2 * d
     calls = {
         "symmetric_eigh": lambda: symmetric_eigh(c),
         "eigvalsh": lambda: torch.linalg.eigvalsh(c),
-        "kernel_read": lambda: kernel_read(c, gamma, n, declared_kind="layernorm"),
+        "kernel_read": lambda: kernel_read(c, gamma, n, declared_kind="layernorm", solver="dense"),
+        "kernel_read_fast": lambda: kernel_read(c, gamma, n, declared_kind="layernorm"),
         "schur_quotient": lambda: schur_quotient(c, gamma, n),
-        "sigma_min": lambda: sigma_min(c, n),
+        "sigma_min": lambda: sigma_min(c, n, solver="dense"),
+        "sigma_min_fast": lambda: sigma_min(c, n),
     }
     return {k: median_time(calls[k], device, repeats, warmup)[0] for k in only}
 
@@ -191,6 +224,12 @@ def main() -> None:
         "--threads", type=int, default=1, help="CPU threads (1: reproducible on a shared machine)"
     )
     parser.add_argument("--out", default=None, help="also write <out>.md and <out>.json")
+    parser.add_argument(
+        "--spectrum",
+        choices=("test", "power-law"),
+        default="test",
+        help="part 1's matrix: the log-scaled X^T X (default) or Q diag(i^-2) Q^T",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -200,7 +239,7 @@ def main() -> None:
 
     prim: list[dict[str, Any]] = []
     for d in args.dims:
-        costs = primitive_costs(d, args.repeats, 1 if d <= 1024 else 0)
+        costs = primitive_costs(d, args.repeats, 1 if d <= 1024 else 0, spectrum=args.spectrum)
         prim.append({"d": d, **costs})
         print(f"d={d}: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in costs.items()), flush=True)
     for d in args.eigh_only_dims:
@@ -213,10 +252,19 @@ def main() -> None:
     def ms(p: dict[str, Any], key: str) -> str:
         return f"{1e3 * p[key]:.1f}" if key in p else "-"
 
+    def eighs(p: dict[str, Any], *keys: str) -> str:
+        if not all(k in p for k in keys):
+            return "-"
+        return f"{sum(p[k] for k in keys) / p['symmetric_eigh']:.2f}"
+
     prim_table = markdown_table(
-        ["d", *[f"{k} ms" for k in PRIMITIVES], "eigh GFLOP/s (9 d^3)"],
+        ["d", *[f"{k} ms" for k in PRIMITIVES], "layer + point dense (x eigh)",
+         "layer + point fast (x eigh)", "eigh GFLOP/s (9 d^3)"],
         [
-            [p["d"], *[ms(p, k) for k in PRIMITIVES], f"{9 * p['d'] ** 3 / p['symmetric_eigh'] / 1e9:.1f}"]
+            [p["d"], *[ms(p, k) for k in PRIMITIVES],
+             eighs(p, "kernel_read", "schur_quotient", "sigma_min"),
+             eighs(p, "kernel_read_fast", "schur_quotient", "sigma_min_fast"),
+             f"{9 * p['d'] ** 3 / p['symmetric_eigh'] / 1e9:.1f}"]
             for p in prim
         ],
     )  # fmt: skip
@@ -236,7 +284,8 @@ def main() -> None:
         if width in by_d:
             p = by_d[width]
             r["predicted_read_s"] = (
-                r["norms"] * (p["kernel_read"] + p["schur_quotient"]) + r["points"] * p["sigma_min"]
+                r["norms"] * (p["kernel_read_fast"] + p["schur_quotient"])
+                + r["points"] * p["sigma_min_fast"]
             )
         cost = r["read_s"] + r["sampled_extra_s"]
         r["every_1pct"] = every_for(cost, r["step_s"], 0.01)

@@ -16,6 +16,13 @@ from normscope.functional.gamma import (
     row_count,
     square_matrix,
 )
+from normscope.functional.solvers import (
+    ShiftedCholesky,
+    bottom_eigh,
+    check_solver,
+    lambda_max,
+    use_fast,
+)
 
 __all__ = ["KernelRead", "kernel_read", "rmsnorm_alignment_max"]
 
@@ -69,6 +76,11 @@ class KernelRead:
     :meth:`as_dict` holds the five numbers and ``kind_mismatch`` (0.0/1.0); ``norm_class``
     (a string), ``n_rows``, ``bottom_eigenvalues`` (the smallest ``bottom_k`` eigenvalues over
     ``lambda_d``, for spectrum plots; empty when not computable) and ``reason`` are attributes.
+
+    ``solver`` says which route read it: ``"fast"`` (:mod:`normscope.functional.solvers`:
+    Lanczos for ``lambda_d``, shift-invert block Lanczos on one Cholesky factor for the bottom
+    pairs and the live floor) or ``"dense"`` (full eigendecompositions); ``dense_fallbacks``
+    is 1 when the fast route was asked for and did not verify, so the dense one answered.
     """
 
     gamma_alignment: float
@@ -82,6 +94,8 @@ class KernelRead:
     bottom_eigenvalues: tuple[float, ...]
     kind_mismatch: bool = False
     declared_kind: str | None = None
+    solver: str = "dense"
+    dense_fallbacks: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -102,6 +116,7 @@ def kernel_read(
     null_tol: float = 1e-10,
     declared_kind: str | None = None,
     bottom_k: int = 8,
+    solver: str = "fast",
 ) -> KernelRead:
     """Compare a norm's centred output covariance with the kernel ``gamma`` predicts.
 
@@ -113,6 +128,11 @@ def kernel_read(
         null_tol: ``tau`` of ``null_dim`` (raise it for bfloat16 forwards, about 1e-4).
         declared_kind: ``"layernorm"``, ``"rmsnorm"`` or None (what the module says it is).
         bottom_k: how many bottom eigenvalues to keep in ``bottom_eigenvalues``.
+        solver: ``"fast"`` (default: :mod:`normscope.functional.solvers`, every number equal
+            to the dense route's within 1e-10; it takes the dense route below ``d = 1024`` or
+            when ``bottom_k >= d / 4``, and whenever it cannot verify its answer, counted in
+            ``dense_fallbacks``) or ``"dense"`` (a full float64 ``eigh`` of ``C`` and one of
+            ``C`` restricted to the live space).
 
     Returns:
         A :class:`KernelRead` (see there for every definition).
@@ -141,27 +161,48 @@ def kernel_read(
         raise ValueError(f"kernel_read: null_tol must be a number >= 0, got {null_tol!r}")
     if not (isinstance(bottom_k, int) and bottom_k >= 0):
         raise ValueError(f"kernel_read: bottom_k must be an int >= 0, got {bottom_k!r}")
+    check_solver(solver, "kernel_read")
+    route, fallbacks = "dense", 0
 
     def empty(reason: str, null_dim: int | float = _NAN, bottom=()) -> KernelRead:
         return KernelRead(
             _NAN, _NAN, null_dim, _NAN, _NAN, "indeterminate", n, reason, bottom,
-            False, declared_kind,
+            False, declared_kind, route, fallbacks,
         )  # fmt: skip
 
     if n < 2 * d:
         return empty("insufficient_rows")
     if not bool(torch.isfinite(c).all()):
         return empty("non_finite_covariance")
-    try:
-        evals, evecs = symmetric_eigh(c)
-    except RuntimeError:
-        return empty("eigh_failed")
-    lam_d = float(evals[-1])
-    if not lam_d > 0:
-        return empty("zero_covariance")
-    null = evals <= null_tol * lam_d
-    null_dim = int(null.sum())
-    bottom = tuple((evals[:bottom_k] / lam_d).tolist())
+    factor = None
+    if use_fast(solver, d, max(bottom_k, 1)):
+        try:
+            fast = _fast_spectrum(c, max(bottom_k, 1), null_tol)
+        except RuntimeError:  # a device solver that failed: the dense route answers
+            fast = None
+        if fast is None:
+            fallbacks = 1
+        elif not fast[0] > 0:
+            route = "fast"
+            return empty("zero_covariance")
+        else:
+            route = "fast"
+            lam_d, values, vectors, null_dim, factor = fast
+            u_1, u_0, low = vectors[:, 0], vectors[:, :null_dim], float(values[0])
+            bottom_vectors = vectors
+            bottom = tuple((values[:bottom_k] / lam_d).tolist())
+    if route == "dense":
+        try:
+            evals, evecs = symmetric_eigh(c)
+        except RuntimeError:
+            return empty("eigh_failed")
+        lam_d = float(evals[-1])
+        if not lam_d > 0:
+            return empty("zero_covariance")
+        null = evals <= null_tol * lam_d
+        null_dim = int(null.sum())
+        u_1, u_0 = evecs[:, 0], evecs[:, null]
+        bottom = tuple((evals[:bottom_k] / lam_d).tolist())
     if g.reason == "non_finite_gamma":
         return empty("non_finite_gamma", null_dim, bottom)
 
@@ -169,13 +210,23 @@ def kernel_read(
     k = p.shape[1]
     # A declared RMSNorm has no centring, so v* is not a kernel there; dead e_i still are.
     removed = p if (declared_kind != "rmsnorm" or g.v_star is None) else p[:, :0]
-    alignment = torch.linalg.vector_norm(p.T @ evecs[:, 0])
+    alignment = torch.linalg.vector_norm(p.T @ u_1)
     try:
-        residual = symmetric_eigvalsh(p.T @ c @ p)[-1] / lam_d
-        floor = _restricted_floor(c, removed)
+        pcp = p.T @ c @ p
+        residual = symmetric_eigvalsh(pcp)[-1] / lam_d
+        floor = None
+        if factor is not None:
+            try:
+                floor = _fast_floor(c, removed, pcp, low, factor, bottom_vectors)
+            except RuntimeError:
+                floor = None
+            if floor is None:
+                fallbacks, route = 1, "dense"
+        if floor is None:
+            floor = _restricted_floor(c, removed)
     except RuntimeError:
         return empty("eigh_failed", null_dim, bottom)
-    overlap = evecs[:, null].T @ p  # (null_dim, k)
+    overlap = u_0.T @ p  # (null_dim, k)
     subspace = torch.sqrt((overlap**2).sum() / k)
     alignment_f, residual_f, subspace_f = torch.stack([alignment, residual, subspace]).tolist()
     # Norms of projections of unit vectors: <= 1 but for an ulp of rounding.
@@ -194,7 +245,7 @@ def kernel_read(
     )
     return KernelRead(
         alignment_f, residual_f, null_dim, subspace_f, floor, norm_class, n, g.reason, bottom,
-        mismatch, declared_kind,
+        mismatch, declared_kind, route, fallbacks,
     )  # fmt: skip
 
 
@@ -212,6 +263,54 @@ def rmsnorm_alignment_max(d: int) -> float:
         (0.9, 0.25)
     """
     return min(RMSNORM_ALIGNMENT_CAP, RMSNORM_ALIGNMENT_SCALE / math.sqrt(d))
+
+
+def _fast_spectrum(c: torch.Tensor, want: int, null_tol: float):
+    """``(lambda_d, values, vectors, null_dim, factor)`` by the fast solvers, None when one
+    of them did not verify (``(0.0, ...)`` for a zero matrix)."""
+    # No (C + C^T) / 2 here (symmetric_eigh's): the Cholesky reads one triangle and the
+    # Rayleigh quotients are the same for both; they differ by rounding, ~1e-16 of lambda_d.
+    lam_d, ok = lambda_max(c)
+    if not ok:
+        return None
+    if not lam_d > 0:
+        return lam_d, None, None, 0, None
+    factor = ShiftedCholesky(c, lam_d)
+    out = bottom_eigh(c, want, lam_d, factor=factor, null_tol=null_tol)
+    if not out.converged:
+        return None
+    return lam_d, out.values, out.vectors, out.null_dim, factor
+
+
+def _fast_floor(
+    c: torch.Tensor,
+    removed: torch.Tensor,
+    pcp: torch.Tensor,
+    low: float,
+    factor: ShiftedCholesky,
+    vectors: torch.Tensor,
+) -> float | None:
+    """:func:`_restricted_floor` without ``Q^T C Q``: the bottom of ``C`` on the complement of
+    ``removed`` by shift-invert Lanczos on the bordered solve of ``factor`` (None when it did
+    not verify); the mean is ``(tr C - tr(P^T C P)) / (d - k)``."""
+    d, k = removed.shape
+    if k >= d:
+        return _NAN
+    if k == 0:
+        mean = float(torch.trace(c)) / d
+        return low / mean if mean > 0 else _NAN
+    # warm start: the bottom pair of C off the removed span (the restricted bottom vector
+    # lies mostly in the span of C's bottom ones; for a LayerNorm it is C's first live one)
+    near = vectors - removed @ (removed.T @ vectors)
+    pick = torch.argmax((torch.linalg.vector_norm(near, dim=0) > 0.5).to(torch.int8)).reshape(1)
+    out = bottom_eigh(
+        factor.c, 1, factor.lam_max, factor=factor, constraint=removed, vectors=0,
+        value_tol=1e-15, value_rtol=1e-11, block=1, start=near[:, pick],
+    )  # fmt: skip
+    if not out.converged:
+        return None
+    mean = (float(torch.trace(c)) - float(torch.trace(pcp))) / (d - k)
+    return float(out.values[0]) / mean if mean > 0 else _NAN
 
 
 def _restricted_floor(c: torch.Tensor, removed: torch.Tensor) -> float:

@@ -31,6 +31,7 @@ import torch
 
 from normscope.functional.covariance import symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
+from normscope.functional.solvers import bottom_eigh, check_solver, use_fast
 
 __all__ = [
     "BOUND_BIAS",
@@ -89,27 +90,53 @@ def ratio_bounds(
     return ratio / slack, ratio * slack
 
 
-def _sigma_min(second_moment: torch.Tensor, n_rows: int, where: str) -> tuple[float, str | None]:
+def _sigma_min(
+    second_moment: torch.Tensor, n_rows: int, where: str, solver: str = "fast"
+) -> tuple[float, str | None, int]:
+    """``(sigma_min, reason, dense_fallbacks)`` of one point."""
+    check_solver(solver, where)
     s = square_matrix(second_moment, where, "second_moment")
     n = row_count(n_rows, where)
     if n < 2 * s.shape[0]:
-        return _NAN, "insufficient_rows"
+        return _NAN, "insufficient_rows", 0
     if not bool(torch.isfinite(s).all()):
-        return _NAN, "non_finite_second_moment"
+        return _NAN, "non_finite_second_moment", 0
+    low, fallbacks = None, 0
+    if use_fast(solver, s.shape[0]):
+        try:
+            low = _fast_bottom(s)
+        except RuntimeError:  # a device solver that failed: the dense route answers
+            low = None
+        fallbacks = int(low is None)
     try:
-        low = float(symmetric_eigvalsh(s)[0])
+        if low is None:
+            low = float(symmetric_eigvalsh(s)[0])
     except RuntimeError:
-        return _NAN, "eigh_failed"
+        return _NAN, "eigh_failed", fallbacks
     # S is PSD: a negative bottom eigenvalue is rounding (a few ulps of lambda_d), read as 0.
-    return math.sqrt(max(low, 0.0)), None
+    return math.sqrt(max(low, 0.0)), None, fallbacks
 
 
-def sigma_min(second_moment: torch.Tensor, n_rows: int) -> float:
+def _fast_bottom(s: torch.Tensor) -> float | None:
+    """``lambda_1(S)`` by shift-invert Lanczos on one Cholesky factor (values only, error
+    bound ``<= 1e-11 lambda_1 + 1e-15 ||S||_F``); None when it did not verify. The Frobenius
+    norm (``>= lambda_max``) scales the shift: no Lanczos for ``lambda_max`` is needed."""
+    scale = float(torch.linalg.matrix_norm(s))  # no (S + S^T) / 2: see kernel._fast_spectrum
+    if not scale > 0:
+        return 0.0
+    out = bottom_eigh(s, 1, scale, vectors=0, value_tol=1e-15, value_rtol=1e-11, block=1)
+    return float(out.values[0]) if out.converged else None
+
+
+def sigma_min(second_moment: torch.Tensor, n_rows: int, *, solver: str = "fast") -> float:
     """``sqrt(lambda_1(S))`` of an uncentred second moment ``S`` (float64).
 
     Args:
         second_moment: ``S`` ``(d, d)`` (:meth:`StreamingCovariance.second_moment`).
         n_rows: rows behind ``S``.
+        solver: ``"fast"`` (shift-invert Lanczos on one Cholesky factor,
+            :mod:`normscope.functional.solvers`; dense below ``d = 1024`` and when it cannot
+            verify its answer) or ``"dense"`` (a full ``eigvalsh``).
 
     Returns:
         The smallest singular value of the rows over ``sqrt(n_rows)``; NaN when
@@ -123,7 +150,7 @@ def sigma_min(second_moment: torch.Tensor, n_rows: int) -> float:
         >>> sigma_min(torch.eye(2), 3)
         nan
     """
-    return _sigma_min(second_moment, n_rows, "sigma_min")[0]
+    return _sigma_min(second_moment, n_rows, "sigma_min", solver)[0]
 
 
 @dataclass(frozen=True)
@@ -172,6 +199,7 @@ class SigmaMinProfile:
     reason: str | None
     no_cancellation_margin: tuple[float, ...] = ()
     margin_measured: bool = field(default=False, init=False)
+    dense_fallbacks: int = 0
 
     def __post_init__(self) -> None:
         margins = self.no_cancellation_margin
@@ -225,6 +253,8 @@ def sigma_min_profile(
     second_moments: Sequence[torch.Tensor],
     n_rows: Sequence[int],
     sublayers: Sequence[str | None],
+    *,
+    solver: str = "fast",
 ) -> SigmaMinProfile:
     """``sigma_min``, cumulative ratio and step at every residual point, in forward order.
 
@@ -234,6 +264,7 @@ def sigma_min_profile(
         second_moments: each point's uncentred second moment ``S_p`` ``(d, d)``.
         n_rows: each point's row count.
         sublayers: what lies before each point (``"attn"``, ``"mlp"``, ``"block"``, None).
+        solver: ``"fast"`` or ``"dense"``, as for :func:`sigma_min`.
 
     Returns:
         A :class:`SigmaMinProfile`. When ``p_0``'s ``sigma_min`` is NaN (or 0) every ratio and
@@ -262,12 +293,13 @@ def sigma_min_profile(
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if list(names).count(n) > 1})
         raise ValueError(f"sigma_min_profile: point names must be distinct, repeated: {dupes}")
+    check_solver(solver, "sigma_min_profile")
     if not names:
         return SigmaMinProfile((), _NAN, None, "no_points")
 
-    own = [
-        _sigma_min(s, n, "sigma_min_profile") for s, n in zip(second_moments, n_rows)
-    ]  # (sigma_min, reason) per point
+    reads = [_sigma_min(s, n, "sigma_min_profile", solver) for s, n in zip(second_moments, n_rows)]
+    own = [(value, reason) for value, reason, _ in reads]  # (sigma_min, reason) per point
+    fb = sum(f for _, _, f in reads)
     first = own[0][0]
     first_ok = math.isfinite(first) and first > 0
     points: list[ProfilePoint] = []
@@ -299,12 +331,13 @@ def sigma_min_profile(
             ProfilePoint(name, k, sublayers[k], value, ratio, step, count, reason, per_dim, *bounds)
         )
 
+    pts = tuple(points)
     if not first_ok:
-        return SigmaMinProfile(tuple(points), _NAN, None, "first_point_unavailable")
+        return SigmaMinProfile(pts, _NAN, None, "first_point_unavailable", dense_fallbacks=fb)
     if len(points) == 1:
-        return SigmaMinProfile(tuple(points), _NAN, None, "single_point")
+        return SigmaMinProfile(pts, _NAN, None, "single_point", dense_fallbacks=fb)
     later = [p for p in points[1:] if math.isfinite(p.sigma_min_ratio)]
     if not later:
-        return SigmaMinProfile(tuple(points), _NAN, None, "no_finite_ratio")
+        return SigmaMinProfile(pts, _NAN, None, "no_finite_ratio", dense_fallbacks=fb)
     worst = min(later, key=lambda p: p.sigma_min_ratio)
-    return SigmaMinProfile(tuple(points), worst.sigma_min_ratio, worst.name, None)
+    return SigmaMinProfile(pts, worst.sigma_min_ratio, worst.name, None, dense_fallbacks=fb)

@@ -97,6 +97,8 @@ class DeadDirectionReport:
         out[f"{FAMILY}/profile_points"] = (
             float(len(self.profile.points)) if self.profile is not None else 0.0
         )
+        # reads the fast solvers could not verify, answered by the dense eigh instead
+        out[f"{FAMILY}/solver_fallbacks"] = float(self.solver_fallbacks)
         # layers (norms, residual points, the profile) no longer read after a failure
         out[f"{FAMILY}/reads_disabled"] = float(
             len({key.rsplit(":", 1)[0] for key in self.failed_taps})
@@ -124,6 +126,17 @@ class DeadDirectionReport:
         from normscope.monitors.sources import classify_collapses
 
         return classify_collapses(self.as_dict(), self.source_rule)
+
+    @property
+    def solver_fallbacks(self) -> int:
+        """Dense fallbacks in this read (:mod:`normscope.functional.solvers`): the norms'
+        kernel reads plus the points of the profile and of every source's profile."""
+        profiles = ([self.profile] if self.profile is not None else []) + list(
+            self.sources.values()
+        )
+        return sum(getattr(n.kernel, "dense_fallbacks", 0) for n in self.norms.values()) + sum(
+            getattr(p, "dense_fallbacks", 0) for p in profiles
+        )
 
     @property
     def sigma_min_ratio_min(self) -> float:
