@@ -52,8 +52,9 @@ def _row_buffer(shape: torch.Size, device: torch.device) -> torch.Tensor:
 def fold_plan(dim: int, device: torch.device, mode: str = "auto") -> tuple[str, int]:
     """``(kind, panel width)`` of the product for width ``dim`` on ``device``.
 
-    ``"auto"``: CPU, ``syrk`` from d = 64 up (measured 0.9-1.1x of the float64 GEMM rate on
-    half the flops, against 0.6-0.8x for panels), the full GEMM below. CUDA (not measured
+    ``"auto"``: CPU, ``syrk`` from d = 16 up (measured 0.9-1.1x of the float64 GEMM rate on
+    half the flops, against 0.6-0.8x for panels; faster than the GEMM from d = 32, a tie at
+    d = 8), the full GEMM below. CUDA (not measured
     here: ``benchmarks/gpu_suite.py`` reports it), panels of ``max(256, d / 16)`` from
     d = 1024 up, the full GEMM below. ``"panels"`` on its own uses the CPU-measured widths:
     64 up to d = 256, 128 up to 1024, 256 above.
@@ -62,14 +63,14 @@ def fold_plan(dim: int, device: torch.device, mode: str = "auto") -> tuple[str, 
 
         >>> fold_plan(512, torch.device("cpu")), fold_plan(512, torch.device("cpu"), "panels")
         (('syrk', 0), ('panels', 128))
-        >>> fold_plan(4096, torch.device("cuda")), fold_plan(32, torch.device("cpu"))
+        >>> fold_plan(4096, torch.device("cuda")), fold_plan(8, torch.device("cpu"))
         (('panels', 256), ('gemm', 0))
     """
     if mode not in FOLD_MODES:
         raise ValueError(f"fold must be one of {FOLD_MODES}, got {mode!r}")
     if mode == "auto":
         if device.type == "cpu":
-            mode = "syrk" if dim >= 64 else "gemm"
+            mode = "syrk" if dim >= 16 else "gemm"
         elif dim >= 1024:
             return "panels", max(256, dim // 16)
         else:
