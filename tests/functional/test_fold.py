@@ -77,7 +77,8 @@ def pair(d: int, mode: str, **kw) -> tuple[StreamingCovariance, StreamingCovaria
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("d", [1, 5, 40, 64, 200, 300])
 def test_large_offset_equals_reference_and_np_cov(mode, d):
-    batches = offset_batches(d, [700, 1, 333, 1024], seed=d)
+    # 9000 rows: more than one CPU chunk (functional/fold.py: chunk_rows) in one update.
+    batches = offset_batches(d, [700, 1, 333, 1024] + ([9000] if d in (5, 64) else []), seed=d)
     new, ref = pair(d, mode)
     for b in batches:
         new.update(b.float() if d == 40 else b)  # float32 rows too (cast once, in the fold)
@@ -93,7 +94,7 @@ def test_masks_nan_inf_rows_and_subsampling_equal_reference(mode):
     d = 150  # panels of 64: two full panels and one of 22
     for kw in ({}, {"max_rows": 300, "seed": 5}):
         new, ref = pair(d, mode, **kw)
-        for i, b in enumerate(offset_batches(d, [400, 257, 64], seed=1)):
+        for i, b in enumerate(offset_batches(d, [400, 5000, 64], seed=1)):
             b = b.clone()
             b[3, 7] = math.nan
             b[10, 0] = math.inf
