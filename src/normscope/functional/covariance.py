@@ -36,13 +36,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from normscope.functional.fold import (
-    add_gram_,
-    centre_rows,
-    chunk_rows,
-    fold_plan,
-    mirror_upper_,
-)
+from normscope.functional.fold import add_gram_, centre_rows, fold_plan, mirror_upper_
 
 __all__ = ["StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
 
@@ -197,15 +191,12 @@ class StreamingCovariance:
         # symmetric product at about half the GEMM's flops. Nothing read back to the host.
         rows = rows.to(self.device)
         keep = keep.to(self.device) if keep is not None else None
+        x, n_b, mean_b, rejected = centre_rows(rows, keep)
+        self._rejected += rejected
         kind, panel = self._plan
-        step = chunk_rows(self.dim, self.device) or rows.shape[0]
-        for start in range(0, rows.shape[0], step):
-            part = keep[start : start + step] if keep is not None else None
-            x, n_b, mean_b, rejected = centre_rows(rows[start : start + step], part)
-            self._rejected += rejected
-            if add_gram_(self._comoment, x, kind, panel):
-                self._stale_lower = True
-            self._merge_moments(n_b, mean_b, None)
+        if add_gram_(self._comoment, x, kind, panel):
+            self._stale_lower = True
+        self._merge_moments(n_b, mean_b, None)
 
     def _full(self) -> torch.Tensor:
         # The panel fold leaves the blocks left of the diagonal stale: mirror them on a read (a

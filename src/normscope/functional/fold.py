@@ -84,12 +84,12 @@ def fold_plan(dim: int, device: torch.device, mode: str = "auto") -> tuple[str, 
 
 
 def chunk_rows(dim: int, device: torch.device) -> int | None:
-    """Rows folded at a time (each chunk its own Chan merge), or None for the whole batch.
+    """Rows per pass-chunk of :func:`centre_rows`, or None for the whole batch at once.
 
-    CPU, d <= 512: 4096 rows, so that the float64 buffer (<= 16 MiB) stays in cache between
-    the passes; measured 0.68 -> 0.75 of the roofline at d = 128 and 0.74 -> 0.85 at 256
-    (N = 8192). Wider rows: the whole batch (a chunk's own ``d x d`` syrk output and merge
-    would cost more than the cache saves). On CUDA: the whole batch (fewest launches).
+    CPU, d <= 512: 4096 rows, so that a chunk's float64 rows (<= 16 MiB) stay in cache from the
+    cast to the column sum. Only the passes are chunked: the mean, centring and product are of
+    the whole batch (one Chan merge per update, as before; chunked merges cost up to 2e-13 of
+    relative accuracy at means of 1e4). On CUDA and at wider rows: the whole batch.
     """
     return 4096 if device.type == "cpu" and dim <= 512 else None
 
@@ -103,21 +103,27 @@ def centre_rows(
     ``rows`` (N, d) are on the accumulator's device already; ``keep`` a bool (N,) or None.
     On the CPU ``x`` is this thread's scratch: valid until the next call.
     """
+    n, d = rows.shape
     x = _row_buffer(rows.shape, rows.device)
-    x.copy_(rows)
-    # A row sum is non-finite iff the row holds a NaN/Inf (or sums past 1e308).
-    finite = torch.isfinite(x.sum(dim=1))
-    if keep is None:
-        weight = finite
-        rejected = (~finite).sum()
-    else:
-        weight = keep & finite
-        rejected = (keep & ~finite).sum()  # a masked-out row is padding, not a bad row
+    step = chunk_rows(d, rows.device) or n
+    weights, total = [], torch.zeros(d, dtype=torch.float64, device=rows.device)
+    for start in range(0, n, step):
+        part = x[start : start + step]
+        part.copy_(rows[start : start + step])
+        # A row sum is non-finite iff the row holds a NaN/Inf (or sums past 1e308).
+        weight = torch.isfinite(part.sum(dim=1))
+        if keep is not None:
+            weight &= keep[start : start + step]
+        # Finite everywhere, then x * 0 = 0 exactly on a dropped row and x * 1 = x on a kept one.
+        part.nan_to_num_(0.0, 0.0, 0.0).mul_(weight.to(torch.float64)[:, None])
+        total += part.sum(dim=0)
+        weights.append(weight)
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    # A dropped row that was kept by the mask held a NaN/Inf (masked-out rows are padding).
+    rejected = (~weight).sum() if keep is None else (keep & ~weight).sum()
     w = weight.to(torch.float64)
-    # Finite everywhere, then x * 0 = 0 exactly on a dropped row and x * 1 = x on a kept one.
-    x.nan_to_num_(0.0, 0.0, 0.0).mul_(w[:, None])
     n_b = w.sum()
-    mean_b = x.sum(dim=0) / n_b.clamp_min(1)
+    mean_b = total / n_b.clamp_min(1)
     # x - 1 * mean on a kept row, 0 - 0 * mean = 0 on a dropped one: one pass.
     x.addcmul_(w[:, None], mean_b, value=-1.0)
     return x, n_b, mean_b, rejected
