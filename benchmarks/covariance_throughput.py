@@ -7,8 +7,10 @@ accumulator repeatedly. Side by side:
               copy, row-sum NaN/Inf test, ``masked_fill_``, mean, centre, weight multiply, one
               full ``addmm_`` (2 N d^2 flops), Chan merge;
 * ``new``  -- ``StreamingCovariance(fold="auto")``: the passes of ``functional/fold.py`` and
-              the symmetric product (numpy's BLAS syrk on the CPU, upper-triangle panels on
-              CUDA), about N d (d + 1) flops;
+              the symmetric product as upper-triangle panel GEMMs (``(1 + p/d)/2`` of the
+              GEMM's flops; the full GEMM where d < 2 panels);
+* ``syrk`` -- ``fold="syrk"`` (opt-in, CPU): the same passes, numpy's BLAS dsyrk for the
+              product (N d (d + 1) flops); this script pins numpy's BLAS to ``--threads``;
 * ``x.T @ x`` -- the bare float64 torch matmul of the same rows: the machine's GEMM rate R;
 * ``collect+np.cov`` -- what a script does without an accumulator: keep every row, np.cov.
 
@@ -32,6 +34,7 @@ N = clamp(2^24 / d, 1024, 8192) unless ``--rows`` fixes it. Usage::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -62,6 +65,7 @@ HEADERS = [
     "new product",
     "old ms",
     "new ms",
+    "syrk ms",
     "new / old speed",
     "old rows/s",
     "new rows/s",
@@ -70,6 +74,7 @@ HEADERS = [
     "float64 x.T@x GFLOP/s",
     "old / syrk roofline",
     "new / syrk roofline",
+    "syrk / syrk roofline",
     "collect + np.cov rows/s",
 ]
 
@@ -116,16 +121,20 @@ def measure(
     gen = torch.Generator(device=device).manual_seed(d)
     x = torch.randn(rows, d, device=device, generator=gen)  # float32 activations
     old, new = OldFold(d, device=device), StreamingCovariance(d, device=device)
+    syrk = StreamingCovariance(d, device=device, fold="syrk") if device.type == "cpu" else None
     x64 = x.to(torch.float64)
-    # Interleaved, so that a neighbour's burst of load hits both alike.
-    ts: dict[str, list[float]] = {"old": [], "new": [], "matmul": []}
+    # Interleaved, so that a neighbour's burst of load hits all alike.
+    ts: dict[str, list[float]] = {"old": [], "new": [], "syrk": [], "matmul": []}
     for _ in range(repeats):
         ts["old"] += median_time(lambda: old.update(x), device, 1)[1]
         ts["new"] += median_time(lambda: new.update(x), device, 1)[1]
+        if syrk is not None:
+            ts["syrk"] += median_time(lambda: syrk.update(x), device, 1)[1]
         ts["matmul"] += median_time(lambda: x64.T @ x64, device, 1)[1]
     # The fastest repeat is the table's figure: on a shared machine a neighbour's load only
     # ever slows a run down (the medians are kept in the JSON).
     t_old, t_new, t_mm = (min(ts[k]) for k in ("old", "new", "matmul"))
+    t_syrk = min(ts["syrk"]) if ts["syrk"] else math.nan
     useful = float(rows) * d * (d + 1)
     rate = 2.0 * rows * d * d / t_mm  # the GEMM's flop rate R
 
@@ -145,6 +154,7 @@ def measure(
         "new_product": f"panels of {panel}" if kind == "panels" else kind,
         "old_ms": 1e3 * t_old,
         "new_ms": 1e3 * t_new,
+        "syrk_ms": 1e3 * t_syrk,
         "speedup": t_old / t_new,
         "old_rows_s": rows / t_old,
         "new_rows_s": rows / t_new,
@@ -153,6 +163,7 @@ def measure(
         "matmul_gflops": rate / 1e9,
         "old_roofline_fraction": useful / t_old / rate,
         "new_roofline_fraction": useful / t_new / rate,
+        "syrk_roofline_fraction": useful / t_syrk / rate,
         "old_over_matmul": t_mm / t_old,
         "np_cov_rows_s": rows / t_np,
         "times_s": ts,
@@ -166,6 +177,7 @@ def row_cells(r: dict) -> list[str]:
         str(r["new_product"]),
         f"{r['old_ms']:.1f}",
         f"{r['new_ms']:.1f}",
+        f"{r['syrk_ms']:.1f}",
         f"{r['speedup']:.2f}x",
         f"{r['old_rows_s']:.3g}",
         f"{r['new_rows_s']:.3g}",
@@ -174,6 +186,7 @@ def row_cells(r: dict) -> list[str]:
         f"{r['matmul_gflops']:.1f}",
         f"{r['old_roofline_fraction']:.2f}",
         f"{r['new_roofline_fraction']:.2f}",
+        f"{r['syrk_roofline_fraction']:.2f}",
         f"{r['np_cov_rows_s']:.3g}",
     ]
 

@@ -54,7 +54,8 @@ class StreamingCovariance:
         fold: how ``X^T X`` of a batch is formed (``functional/fold.py``): ``"auto"`` (default:
             the measured fastest for ``dim`` and the device), ``"gemm"`` (one full GEMM),
             ``"panels"`` (upper-triangle panel GEMMs, about half the flops) or ``"syrk"``
-            (numpy's BLAS syrk; CPU only). Every read sees the same symmetric matrix.
+            (numpy's BLAS syrk; CPU only, opt-in: set ``OPENBLAS_NUM_THREADS``, its pool is not
+            torch's). Every read sees the same symmetric matrix.
 
     Example::
 

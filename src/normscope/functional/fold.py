@@ -13,14 +13,17 @@ Two halves, both measured in ``benchmarks/covariance_throughput.py`` (``benchmar
   full GEMM, since ``M`` is symmetric. torch has no ``syrk``. Three ways, picked by
   :func:`fold_plan`:
 
-  - ``"syrk"`` (CPU): numpy's ``X.T @ X`` on the same buffer, which numpy sends to BLAS
-    ``dsyrk`` (one triangle, mirrored by numpy). Its threads are numpy's BLAS threads
-    (``OPENBLAS_NUM_THREADS``), not ``torch.set_num_threads``.
-  - ``"panels"`` (any device, the CUDA default at large ``d``): the ``d`` columns cut into
-    panels of ``p``; panel ``i`` adds ``X_i^T X[:, i p:]`` into its row of blocks, right of and
-    on the diagonal: ``d / p`` GEMMs, ``(1 + p / d) / 2`` of the flops, no host sync. The
-    blocks left of the diagonal are left stale; :func:`mirror_upper_` copies them from the
-    upper ones when the matrix is read.
+  - ``"panels"`` (the default from d = 128 on the CPU, d = 1024 on CUDA): the ``d`` columns
+    cut into panels of ``p``; panel ``i`` adds ``X_i^T X[:, i p:]`` into its row of blocks,
+    right of and on the diagonal: ``d / p`` GEMMs (row panels: fewer, wider calls than one per
+    block; measured faster than a recursive split), ``(1 + p / d) / 2`` of the flops, no host
+    sync. The blocks left of the diagonal are left stale; :func:`mirror_upper_` copies them
+    from the upper ones when the matrix is read.
+  - ``"syrk"`` (CPU, opt-in): numpy's ``X.T @ X`` on the same buffer, which numpy sends to
+    BLAS ``dsyrk`` (one triangle, mirrored by numpy): 1.0x of the float64 GEMM rate on half
+    the flops with ``OPENBLAS_NUM_THREADS=1``, but its threads are numpy's BLAS pool, not
+    ``torch.set_num_threads``: with OpenBLAS's default pool beside torch's it ran 10x *slower*
+    than the GEMM (2 shared cores), so it is never picked automatically.
   - ``"gemm"``: the full ``addmm_`` (small ``d``, where one call is faster).
 """
 
@@ -52,25 +55,23 @@ def _row_buffer(shape: torch.Size, device: torch.device) -> torch.Tensor:
 def fold_plan(dim: int, device: torch.device, mode: str = "auto") -> tuple[str, int]:
     """``(kind, panel width)`` of the product for width ``dim`` on ``device``.
 
-    ``"auto"``: CPU, ``syrk`` from d = 16 up (measured 0.9-1.1x of the float64 GEMM rate on
-    half the flops, against 0.6-0.8x for panels; faster than the GEMM from d = 32, a tie at
-    d = 8), the full GEMM below. CUDA (not measured
-    here: ``benchmarks/gpu_suite.py`` reports it), panels of ``max(256, d / 16)`` from
-    d = 1024 up, the full GEMM below. ``"panels"`` on its own uses the CPU-measured widths:
-    64 up to d = 256, 128 up to 1024, 256 above.
+    ``"auto"``: CPU, panels of the CPU-measured widths, 64 up to d = 256, 128 up to 1024, 256
+    above (fewer than two panels, d < 128: the full GEMM). CUDA (not measured here:
+    ``benchmarks/gpu_suite.py`` reports it), panels of ``max(256, d / 16)`` from d = 1024, the
+    full GEMM below. ``"panels"`` asked for explicitly uses the CPU widths on any device.
 
     Example::
 
-        >>> fold_plan(512, torch.device("cpu")), fold_plan(512, torch.device("cpu"), "panels")
-        (('syrk', 0), ('panels', 128))
-        >>> fold_plan(4096, torch.device("cuda")), fold_plan(8, torch.device("cpu"))
+        >>> fold_plan(512, torch.device("cpu")), fold_plan(512, torch.device("cpu"), "syrk")
+        (('panels', 128), ('syrk', 0))
+        >>> fold_plan(4096, torch.device("cuda")), fold_plan(100, torch.device("cpu"))
         (('panels', 256), ('gemm', 0))
     """
     if mode not in FOLD_MODES:
         raise ValueError(f"fold must be one of {FOLD_MODES}, got {mode!r}")
     if mode == "auto":
         if device.type == "cpu":
-            mode = "syrk" if dim >= 16 else "gemm"
+            mode = "panels"
         elif dim >= 1024:
             return "panels", max(256, dim // 16)
         else:
@@ -79,7 +80,7 @@ def fold_plan(dim: int, device: torch.device, mode: str = "auto") -> tuple[str, 
         raise ValueError("fold='syrk' runs numpy's BLAS: CPU accumulators only")
     if mode == "panels":
         width = 64 if dim <= 256 else 128 if dim <= 1024 else 256
-        return ("panels", width) if width < dim else ("gemm", 0)
+        return ("panels", width) if 2 * width <= dim else ("gemm", 0)
     return mode, 0
 
 
