@@ -194,6 +194,11 @@ def test_kernel_edges_any_panel_width():
         StreamingCovariance(4, fold="fast")
     assert fold_plan(40, torch.device("cpu"), "panels") == ("gemm", 0)  # d under one panel
     assert fold_plan(1, torch.device("cpu")) == ("gemm", 0)
+    acc = StreamingCovariance(8, fold="syrk")
+    acc.update(torch.randn(20, 8))
+    with pytest.raises(ValueError, match="CPU accumulators only"):
+        acc.to("cuda")  # refused before anything moves (no GPU needed to check)
+    assert acc.device == torch.device("cpu") and acc.count == 20
 
 
 def test_fold_leaves_the_callers_rows_alone_and_accumulators_independent():

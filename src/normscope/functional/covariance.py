@@ -21,6 +21,9 @@ Design choices, written down because they matter inside a training step:
 * **No host sync in ``update``.** Masked-out rows and rows holding NaN/Inf are given weight 0
   instead of being removed by boolean indexing (which would need their count on the host).
   The row count lives on the device as a float64 scalar (exact up to 2**53 rows).
+* **Half the flops.** ``M_b`` is symmetric: the fold (``functional/fold.py``) forms only its
+  upper blocks and mirrors the rest when the matrix is read; 1.2-1.9x the rows/s of one full
+  GEMM (``benchmarks/RESULTS.md``).
 * **Not a ``torchmetrics.Metric``.** torchmetrics' default ``sync`` gathers every rank's state
   before reducing: ``world_size x d^2 x 8`` bytes of transient memory per accumulator (d = 4096,
   8 ranks: about 1 GB). :meth:`StreamingCovariance.reduce_` instead sums re-centred co-moments
@@ -131,7 +134,11 @@ class StreamingCovariance:
 
     @property
     def comoment(self) -> torch.Tensor:
-        """The centred co-moment ``M = sum (x - mu)(x - mu)^T``, float64, shape ``(d, d)``."""
+        """The centred co-moment ``M = sum (x - mu)(x - mu)^T``, float64, shape ``(d, d)``.
+
+        The live state, complete at the time of reading: read it again after more updates (a
+        panel fold writes only its upper blocks until the next read).
+        """
         return self._full()
 
     def covariance(self) -> torch.Tensor:
@@ -300,9 +307,9 @@ class StreamingCovariance:
 
     def to(self, device: torch.device | str) -> StreamingCovariance:
         """Move the state to ``device`` (in place) and return ``self``."""
+        plan = fold_plan(self.dim, torch.device(device), self.fold)  # raises before any change
         self._full()
-        self.device = torch.device(device)
-        self._plan = fold_plan(self.dim, self.device, self.fold)
+        self.device, self._plan = torch.device(device), plan
         self._n, self._mean = self._n.to(self.device), self._mean.to(self.device)
         self._comoment, self._rejected = (
             self._comoment.to(self.device),

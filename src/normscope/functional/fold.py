@@ -5,10 +5,10 @@ Two halves, both measured in ``benchmarks/covariance_throughput.py`` (``benchmar
 * :func:`centre_rows` -- float32 (or any float) rows to the batch's row count, mean and centred,
   weighted float64 rows in a few cheap passes: one cast into a buffer (on the CPU a per-thread
   scratch of up to ``SCRATCH_MAX_BYTES``, reused: a fresh 64 MiB buffer costs ~40 ms of page
-  faults per update, ~15% of the fold at d = 1024), a row sum
-  (NaN/Inf test), ``nan_to_num_`` + a 0/1 weight multiply (drops bad and masked rows: much
-  cheaper than a broadcast ``masked_fill_``), the weighted mean as a matrix-vector product, and
-  the centring as one ``addcmul_``. No host sync.
+  faults per update, ~15% of the fold at d = 1024), a row sum (NaN/Inf test), ``nan_to_num_`` +
+  a 0/1 weight multiply (drops bad and masked rows: much cheaper than a broadcast
+  ``masked_fill_``), the column sum (these in cache-sized chunks for d <= 512), and the
+  centring as one ``addcmul_``. No host sync.
 * :func:`add_gram_` -- ``M += X^T X`` of the centred rows, with about half the flops of the
   full GEMM, since ``M`` is symmetric. torch has no ``syrk``. Three ways, picked by
   :func:`fold_plan`:
@@ -109,12 +109,12 @@ def centre_rows(
     step = chunk_rows(d, rows.device) or n
     weights, total = [], torch.zeros(d, dtype=torch.float64, device=rows.device)
     for start in range(0, n, step):
-        part = x[start : start + step]
-        part.copy_(rows[start : start + step])
+        part = x[start : start + step] if step < n else x
+        part.copy_(rows[start : start + step] if step < n else rows)
         # A row sum is non-finite iff the row holds a NaN/Inf (or sums past 1e308).
         weight = torch.isfinite(part.sum(dim=1))
         if keep is not None:
-            weight &= keep[start : start + step]
+            weight &= keep[start : start + step] if step < n else keep
         # Finite everywhere, then x * 0 = 0 exactly on a dropped row and x * 1 = x on a kept one.
         part.nan_to_num_(0.0, 0.0, 0.0).mul_(weight.to(torch.float64)[:, None])
         total += part.sum(dim=0)
