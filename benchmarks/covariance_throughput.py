@@ -1,17 +1,30 @@
-"""Throughput of StreamingCovariance.update against the float64 matmul roofline.
+"""Throughput of StreamingCovariance.update, old fold against new, and the float64 roofline.
 
-For each width d, a batch of N rows (float32, as a model produces them) is folded into the
+For each width d, a batch of N rows (float32, as a model produces them) is folded into an
 accumulator repeatedly. Side by side:
 
-* ``update``        -- StreamingCovariance.update (cast to float64, mask/NaN weights, centring,
-                       in-place rank-N update, Chan merge);
-* ``x.T @ x``       -- the bare float64 matmul of the same shape: the physical limit of this work
-                       (the roofline); ``update / matmul`` is the fraction of it reached;
-* ``collect+np.cov``-- what a script does without an accumulator: keep every row, then np.cov.
+* ``old``  -- the fold as it was before issue 14 (``OldFold`` below, kept verbatim): a float64
+              copy, row-sum NaN/Inf test, ``masked_fill_``, mean, centre, weight multiply, one
+              full ``addmm_`` (2 N d^2 flops), Chan merge;
+* ``new``  -- ``StreamingCovariance(fold="auto")``: the passes of ``functional/fold.py`` and
+              the symmetric product as upper-triangle panel GEMMs (``(1 + p/d)/2`` of the
+              GEMM's flops; the full GEMM where d < 2 panels);
+* ``syrk`` -- ``fold="syrk"`` (opt-in, CPU): the same passes, numpy's BLAS dsyrk for the
+              product (N d (d + 1) flops); this script pins numpy's BLAS to ``--threads``;
+* ``x.T @ x`` -- the bare float64 torch matmul of the same rows: the machine's GEMM rate R;
+* ``collect+np.cov`` -- what a script does without an accumulator: keep every row, np.cov.
 
-GFLOP/s counts 2 N d^2 per update (the rank-N product). N is scaled with d so that the whole
-run (d = 256 ... 8192) finishes in a few minutes on a 2-core CPU: N = clamp(2^24 / d, 1024,
-8192) unless ``--rows`` fixes it. Usage::
+Two kinds of figure (both in the table):
+
+* **useful GFLOP/s** = N d (d + 1) / t: the flops of the symmetric result (one triangle plus the
+  diagonal), whatever the kernel does, so old and new are on one scale;
+* **fraction of the syrk roofline** = useful GFLOP/s / R, i.e. t_roof / t with
+  t_roof = t_matmul * (d + 1) / (2 d): the time of a symmetric update that ran at the GEMM's
+  flop rate. 1.0 means "as fast as the matmul on the flops that are needed". The old fold's
+  ``update / matmul`` ratio of earlier tables is ``2 d / (d + 1)`` times its figure here.
+
+N is scaled with d so that the whole run finishes in a few minutes on a 2-core CPU:
+N = clamp(2^24 / d, 1024, 8192) unless ``--rows`` fixes it. Usage::
 
     python benchmarks/covariance_throughput.py            # d in {256, ..., 8192}, N scaled
     python benchmarks/covariance_throughput.py --dims 1024 --rows 8192 --repeats 5
@@ -21,6 +34,7 @@ run (d = 256 ... 8192) finishes in a few minutes on a 2-core CPU: N = clamp(2^24
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -48,13 +62,43 @@ from normscope.functional import StreamingCovariance  # noqa: E402
 HEADERS = [
     "d",
     "N rows",
-    "update ms",
-    "update rows/s",
-    "update GFLOP/s",
+    "new product",
+    "old ms",
+    "new ms",
+    "syrk ms",
+    "new / old speed",
+    "old rows/s",
+    "new rows/s",
+    "old useful GFLOP/s",
+    "new useful GFLOP/s",
     "float64 x.T@x GFLOP/s",
-    "update / matmul",
+    "old / syrk roofline",
+    "new / syrk roofline",
+    "syrk / syrk roofline",
     "collect + np.cov rows/s",
 ]
+
+
+class OldFold(StreamingCovariance):
+    """The fold before issue 14, verbatim: the baseline of the ``old`` columns."""
+
+    def _fold(self, rows: torch.Tensor, keep: torch.Tensor | None) -> None:
+        rows = rows.to(device=self.device, dtype=torch.float64, copy=True)
+        finite = torch.isfinite(rows.sum(dim=1))
+        if keep is None:
+            weight = finite
+        else:
+            keep = keep.to(self.device)
+            weight = keep & finite
+            finite = finite | ~keep
+        self._rejected += (~finite).sum()
+        rows.masked_fill_(~weight[:, None], 0.0)
+        w = weight.to(torch.float64)
+        n_b = w.sum()
+        mean_b = rows.sum(dim=0) / n_b.clamp_min(1)
+        rows.sub_(mean_b).mul_(w[:, None])
+        self._comoment.addmm_(rows.mT, rows)
+        self._merge_moments(n_b, mean_b, None)
 
 
 def rows_for(d: int, rows: int | None = None) -> int:
@@ -72,18 +116,27 @@ def rows_for(d: int, rows: int | None = None) -> int:
 
 def measure(
     d: int, rows: int, device: torch.device, repeats: int, batches_for_np: int
-) -> dict[str, float]:
-    """Median times of ``update``, the bare matmul and collect + ``np.cov`` at one width."""
+) -> dict[str, float | str]:
+    """Fastest times of the old and new ``update``, the bare matmul, collect + ``np.cov``."""
     gen = torch.Generator(device=device).manual_seed(d)
     x = torch.randn(rows, d, device=device, generator=gen)  # float32 activations
-    acc = StreamingCovariance(d, device=device)
-    med_update, ts_update = median_time(lambda: acc.update(x), device, repeats)
+    old, new = OldFold(d, device=device), StreamingCovariance(d, device=device)
+    syrk = StreamingCovariance(d, device=device, fold="syrk") if device.type == "cpu" else None
     x64 = x.to(torch.float64)
-    med_matmul, ts_matmul = median_time(lambda: x64.T @ x64, device, repeats)
+    # Interleaved, so that a neighbour's burst of load hits all alike.
+    ts: dict[str, list[float]] = {"old": [], "new": [], "syrk": [], "matmul": []}
+    for _ in range(repeats):
+        ts["old"] += median_time(lambda: old.update(x), device, 1)[1]
+        ts["new"] += median_time(lambda: new.update(x), device, 1)[1]
+        if syrk is not None:
+            ts["syrk"] += median_time(lambda: syrk.update(x), device, 1)[1]
+        ts["matmul"] += median_time(lambda: x64.T @ x64, device, 1)[1]
     # The fastest repeat is the table's figure: on a shared machine a neighbour's load only
     # ever slows a run down (the medians are kept in the JSON).
-    t_update, t_matmul = min(ts_update), min(ts_matmul)
-    flops = 2.0 * rows * d * d
+    t_old, t_new, t_mm = (min(ts[k]) for k in ("old", "new", "matmul"))
+    t_syrk = min(ts["syrk"]) if ts["syrk"] else math.nan
+    useful = float(rows) * d * (d + 1)
+    rate = 2.0 * rows * d * d / t_mm  # the GEMM's flop rate R
 
     # The direct route: stack B batches of rows on the host, then one np.cov; per-batch cost.
     host = x.cpu().numpy()
@@ -94,29 +147,46 @@ def measure(
 
     _, ts_np = median_time(collect_then_cov, torch.device("cpu"), max(1, repeats // 2))
     t_np = min(ts_np) / batches_for_np
+    kind, panel = new._plan
     return {
         "d": d,
         "rows": rows,
-        "update_ms": 1e3 * t_update,
-        "update_rows_s": rows / t_update,
-        "update_gflops": flops / t_update / 1e9,
-        "matmul_gflops": flops / t_matmul / 1e9,
-        "ratio": t_matmul / t_update,
+        "new_product": f"panels of {panel}" if kind == "panels" else kind,
+        "old_ms": 1e3 * t_old,
+        "new_ms": 1e3 * t_new,
+        "syrk_ms": 1e3 * t_syrk,
+        "speedup": t_old / t_new,
+        "old_rows_s": rows / t_old,
+        "new_rows_s": rows / t_new,
+        "old_useful_gflops": useful / t_old / 1e9,
+        "new_useful_gflops": useful / t_new / 1e9,
+        "matmul_gflops": rate / 1e9,
+        "old_roofline_fraction": useful / t_old / rate,
+        "new_roofline_fraction": useful / t_new / rate,
+        "syrk_roofline_fraction": useful / t_syrk / rate,
+        "old_over_matmul": t_mm / t_old,
         "np_cov_rows_s": rows / t_np,
-        "update_ms_median": 1e3 * med_update,
-        "matmul_ratio_median": med_matmul / med_update,
+        "times_s": ts,
     }
 
 
-def row_cells(r: dict[str, float]) -> list[str]:
+def row_cells(r: dict) -> list[str]:
     return [
         str(r["d"]),
         str(r["rows"]),
-        f"{r['update_ms']:.1f}",
-        f"{r['update_rows_s']:.3g}",
-        f"{r['update_gflops']:.1f}",
+        str(r["new_product"]),
+        f"{r['old_ms']:.1f}",
+        f"{r['new_ms']:.1f}",
+        f"{r['syrk_ms']:.1f}",
+        f"{r['speedup']:.2f}x",
+        f"{r['old_rows_s']:.3g}",
+        f"{r['new_rows_s']:.3g}",
+        f"{r['old_useful_gflops']:.1f}",
+        f"{r['new_useful_gflops']:.1f}",
         f"{r['matmul_gflops']:.1f}",
-        f"{r['ratio']:.2f}x",
+        f"{r['old_roofline_fraction']:.2f}",
+        f"{r['new_roofline_fraction']:.2f}",
+        f"{r['syrk_roofline_fraction']:.2f}",
         f"{r['np_cov_rows_s']:.3g}",
     ]
 
@@ -137,7 +207,7 @@ def main() -> None:
     device = torch.device(args.device)
     info = machine(device)
     print(machine_line(info), flush=True)
-    note = f"fastest of {args.repeats} timed calls after 1 warm-up"
+    note = f"fastest of {args.repeats} interleaved timed calls, each after 1 warm-up"
     print(note, flush=True)
     results, cells = [], []
     for d in args.dims:
