@@ -142,7 +142,9 @@ def test_two_thousand_reads_grow_nothing():
             end = census()
             tracemalloc.start()
         elif step == 1649:
+            gc.collect()  # cycles freed at gc's own moments would be noise in the difference
             snap0 = tracemalloc.take_snapshot()
+    gc.collect()
     snap1 = tracemalloc.take_snapshot()
     tracemalloc.stop()
     grown = sum(s.size_diff for s in snap1.compare_to(snap0, "filename"))
@@ -151,7 +153,10 @@ def test_two_thousand_reads_grow_nothing():
     assert end[0] == start[0], ("tensors", start[0], end[0])
     assert end[1] - start[1] <= 20, ("python objects", start[1], end[1])
     assert end[2] - start[2] <= 16 * 2**20, ("rss bytes", start[2], end[2])
-    assert grown <= 8 * KIB, ("tracemalloc bytes over 350 reads", grown)
+    # Measured 5-8.3 KiB of live blocks that come and go (tensor views of the fold's row
+    # buffer alive at the snapshot's moment; the tensor count above does not grow). One leaked
+    # tensor object a read (67 bytes each under tracemalloc) would be 23 KiB over 350 reads.
+    assert grown <= 16 * KIB, ("tracemalloc bytes over 350 reads", grown)
     tracker.detach()
 
 
