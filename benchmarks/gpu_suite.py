@@ -326,7 +326,16 @@ def table_accumulate(rows: list[dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------------ part 2
-PRIMS = ("symmetric_eigh", "eigvalsh", "kernel_read", "schur_quotient", "sigma_min")
+PRIMS = (
+    "symmetric_eigh",
+    "eigvalsh",
+    "kernel_read",
+    "kernel_read_fast",
+    "schur_quotient",
+    "sigma_min",
+    "sigma_min_fast",
+)
+FAST_TOL = 1e-10  # the fast solvers against the dense route, as tests/functional/test_solvers.py
 
 
 MEASURED_EIGH_S: dict[int, float] = {}  # filled by part 2, used by part 3 to skip what won't fit
@@ -359,9 +368,13 @@ def eigen_costs(
     calls: dict[str, Callable[[], Any]] = {
         "symmetric_eigh": lambda: symmetric_eigh(c),
         "eigvalsh": lambda: torch.linalg.eigvalsh(c),
-        "kernel_read": lambda: kernel_read(c, gamma, 2 * d, declared_kind="layernorm"),
+        "kernel_read": lambda: kernel_read(
+            c, gamma, 2 * d, declared_kind="layernorm", solver="dense"
+        ),
+        "kernel_read_fast": lambda: kernel_read(c, gamma, 2 * d, declared_kind="layernorm"),
         "schur_quotient": lambda: schur_quotient(c, gamma, 2 * d),
-        "sigma_min": lambda: sigma_min(c, 2 * d),
+        "sigma_min": lambda: sigma_min(c, 2 * d, solver="dense"),
+        "sigma_min_fast": lambda: sigma_min(c, 2 * d),
     }
     row: dict[str, Any] = {"d": d, "status": "ok"}
     for name in PRIMS:
@@ -378,22 +391,58 @@ def eigen_costs(
         err = float((ev_dev - ev_cpu).abs().max() / ev_cpu.abs().max())
         row["eig_rel_err"] = err
         row["eig_ok"] = bool(err <= EIGEN_TOL)
+    if clock.why_not() is None:
+        row.update(fast_against_dense(c, gamma, d))
     return row
+
+
+def fast_against_dense(c: torch.Tensor, gamma: torch.Tensor, d: int) -> dict[str, Any]:
+    """The default (fast, from d = 1024) reads against the dense route on the same device:
+    the largest relative difference of the logged numbers (``bottom_eigenvalues`` and
+    ``kernel_residual`` absolute, their rounding floor) and the dense fallbacks taken."""
+    fast = kernel_read(c, gamma, 2 * d, declared_kind="layernorm")
+    dense = kernel_read(c, gamma, 2 * d, declared_kind="layernorm", solver="dense")
+    err = 0.0
+    for key in ("gamma_alignment", "subspace_alignment", "live_floor"):
+        a, b = getattr(fast, key), getattr(dense, key)
+        err = max(err, abs(a - b) / max(abs(b), 1e-300))
+    err = max(err, abs(fast.kernel_residual - dense.kernel_residual))
+    err = max(err, *(abs(a - b) for a, b in zip(fast.bottom_eigenvalues, dense.bottom_eigenvalues)))
+    s_fast, s_dense = sigma_min(c, 2 * d), sigma_min(c, 2 * d, solver="dense")
+    err = max(err, abs(s_fast - s_dense) / max(abs(s_dense), 1e-300))
+    same = fast.null_dim == dense.null_dim and fast.norm_class == dense.norm_class
+    return {
+        "fast_rel_err": err,
+        "fast_solver": fast.solver,
+        "fast_ok": bool(err <= FAST_TOL and same),
+    }
 
 
 def table_eigensolves(rows: list[dict[str, Any]]) -> str:
     cells = []
     for r in rows:
         if "symmetric_eigh" not in r:
-            cells.append([r["d"], r["status"], *[""] * (len(PRIMS) + 1)])
+            cells.append([r["d"], r["status"], *[""] * (len(PRIMS) + 2)])
             continue
         times = [f"{1e3 * r[k]:.1f}" if math.isfinite(r[k]) else "skipped" for k in PRIMS]
         peak = _mib(r.get("kernel_read_peak_extra_bytes", math.nan))
         err = r.get("eig_rel_err")
         check = "not checked" if err is None else f"{err:.1e} {'PASS' if r['eig_ok'] else 'FAIL'}"
-        cells.append([r["d"], *times, peak, check])
+        fast = r.get("fast_rel_err")
+        fast_check = (
+            "not checked"
+            if fast is None
+            else f"{fast:.1e} {'PASS' if r['fast_ok'] else 'FAIL'} ({r['fast_solver']})"
+        )
+        cells.append([r["d"], *times, peak, check, fast_check])
     return markdown_table(
-        ["d", *[f"{k} ms" for k in PRIMS], "kernel_read peak extra MiB", "eigvalsh vs CPU"],
+        [
+            "d",
+            *[f"{k} ms" for k in PRIMS],
+            "kernel_read peak extra MiB",
+            "eigvalsh vs CPU",
+            "fast vs dense (route)",
+        ],
         cells,
     )
 
@@ -646,7 +695,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         results[name]["elapsed_s"] = time.perf_counter() - t0
         for r in results[name]["rows"]:
-            if r.get("accuracy_ok") is False or r.get("eig_ok") is False:
+            if (
+                r.get("accuracy_ok") is False
+                or r.get("eig_ok") is False
+                or r.get("fast_ok") is False
+            ):
                 failed_checks.append(f"{name} d={r.get('d')}")
         text = render(head, results)
         print(f"\n### {name} ({results[name]['elapsed_s']:.0f} s)\n", flush=True)
