@@ -189,18 +189,24 @@ def trainer(monitor: DeadDirectionMonitor, steps: int, loggers: list, **kw: Any)
     )
 
 
-def fit_exact(out: Path) -> dict[str, Any]:
+def fit_exact(out: Path, async_reads: bool = False) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     reads: list[dict[str, Any]] = []
     delivered: list[dict[str, Any]] = []
+    solves: list[int] = []  # jobs this rank solved at each read (its share of a split read)
     monitor = DeadDirectionMonitor(
         **SEPARATE_DISCOVERY,
         every_n_steps=EXACT_EVERY,
         max_rows_per_step=None,
-        rules=[recorder(reads), rank_one_only(at_step=EXACT_STOP)],
+        rules=[
+            recorder(reads),
+            rank_one_only(at_step=EXACT_STOP),
+            CallableRule("solves", lambda m, step: solves.append(monitor.tracker.last_solves)),
+        ],
         alerts=(lambda a: delivered.append(a.as_dict()),),
         stop_on_alert=True,
         verbose=False,
+        async_reads=async_reads,
     )
     module = LitDict(lr=0.0)
     t = trainer(
@@ -208,15 +214,27 @@ def fit_exact(out: Path) -> dict[str, Any]:
     )
     t.fit(module)
     if t.is_global_zero:
-        torch.save(module.state_dict(), out / "exact_weights.pt")
+        torch.save(module.state_dict(), out / f"exact{'_async' if async_reads else ''}_weights.pt")
     return {
         "global_step": t.global_step,
         "reads": reads,
+        "solves": solves,
+        "jobs": _jobs(monitor.tracker),
         "fired": [a.as_dict() for a in monitor.alerts_fired],
         "delivered": delivered,
         "log_dir": t.logger.log_dir,
         "failure": monitor.failure,
     }
+
+
+def _jobs(tracker: DeadDirectionTracker) -> int:
+    """The jobs of one whole read: norm layers, residual points, margins (no sources here)."""
+    points = len(tracker._point_taps)
+    return len(tracker.norms) + points + max(points - 1, 0)
+
+
+def fit_exact_async(out: Path) -> dict[str, Any]:
+    return fit_exact(out, async_reads=True)
 
 
 def fit_stop(out: Path) -> dict[str, Any]:
@@ -483,6 +501,7 @@ def fit_sources(out: Path) -> dict[str, Any]:
 
 FITS = {
     "exact": fit_exact,
+    "exact_async": fit_exact_async,
     "stop": fit_stop,
     "fsdp": fit_fsdp,
     "fail": fit_fail,

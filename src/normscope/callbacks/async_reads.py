@@ -18,11 +18,9 @@ reading together.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
-import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -43,17 +41,23 @@ __all__ = ["AsyncReads", "default_async"]
 
 
 def default_async(trainer: Any) -> bool:
-    """``async_reads=None``: asynchronous under a Lightning ``Trainer`` when the reads have a
-    place to run beside training -- a CUDA device (a side stream), or a CPU with a core that
-    training's intra-op threads leave free; synchronous elsewhere (plain loops, Fabric, the
-    Hugging Face ``Trainer``: their step results carry the report of the same step)."""
+    """``async_reads=None``: asynchronous under a Lightning ``Trainer`` on a CUDA device (the
+    solves on a side stream, off the step's critical path); synchronous on the CPU (measured:
+    benchmarks/RESULTS.md, "Asynchronous reads") and in plain loops, Fabric and the Hugging Face
+    ``Trainer`` (their step results carry the report of the same step). The same answer on every
+    rank: it depends on the device type only."""
     if not isinstance(trainer, Trainer):
         return False
-    device = trainer.strategy.root_device
-    if device.type == "cuda":
-        return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return torch.get_num_threads() < (cores or 1)
+    return trainer.strategy.root_device.type == "cuda"
+
+
+def _async_supported(trainer: Any) -> bool:
+    """One device or DDP (FSDP2's sharded gammas and collectives: synchronous reads only)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    if not isinstance(trainer, Trainer):
+        return True  # a LoopView: a plain loop, Fabric, the HF Trainer over torch.distributed
+    return isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
 
 
 class AsyncReads:
@@ -79,6 +83,7 @@ class AsyncReads:
     _named: Any
     _disable: Any
     _judge_cost: Any
+    _warn_once: Any
 
     def _init_async(self) -> None:
         self._async: bool | None = None  # resolved at the first read (async_reads or default)
@@ -94,7 +99,13 @@ class AsyncReads:
     def _read(self, trainer: Trainer) -> None:
         """One read at the end of a sampled step: synchronous, or handed to the worker."""
         if self._async is None:
-            self._async = default_async(trainer) if self.async_reads is None else self.async_reads
+            wanted = default_async(trainer) if self.async_reads is None else self.async_reads
+            self._async = wanted and _async_supported(trainer)
+            if wanted and not self._async:
+                self._warn_once(
+                    "async", "normscope: async_reads is for one device or DDP; this strategy "
+                    f"({type(trainer.strategy).__name__}) reads synchronously",
+                )  # fmt: skip
         if not self._async:
             step = trainer.global_step
             report = self.tracker.read(step=step, reduce=trainer.world_size > 1)
