@@ -57,6 +57,7 @@ class ReadWindow:
     profile_on: bool
     taps: list[Tap]  # every tap (rows_rejected, failed taps)
     failed_taps: dict[str, str]
+    live: bool = False  # the live taps (a synchronous read): the tracker's own _read_norm reads
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the read reads (for ``record_stream`` on a side CUDA stream)."""
@@ -128,6 +129,7 @@ def take_window(tracker: DeadDirectionTracker, step: int, *, swap: bool) -> Read
         profile_on=tracker._profile_failed is None,
         taps=[frozen[t.key] for t in live],
         failed_taps={f"{t.module_name}:{t.where}": t.failed for t in live if t.failed},
+        live=not swap,
     )
     if swap:
         tracker.reset()
@@ -182,10 +184,13 @@ def _read_norm(tracker: DeadDirectionTracker, window: ReadWindow, norm: Any, out
     had = norm.name in tracker.baselines
     tap_in, tap_out = window.norm_taps[norm.name]
     try:
-        out.norms[norm.name] = read_norm(
-            norm, tap_in, tap_out, window.gammas[norm.name], tracker.null_tol,
-            tracker.baselines, tracker.baseline_rows,
-        )  # fmt: skip
+        if window.live:  # the same taps and gamma: the tracker's read (an extension point)
+            out.norms[norm.name] = tracker._read_norm(norm)
+        else:
+            out.norms[norm.name] = read_norm(
+                norm, tap_in, tap_out, window.gammas[norm.name], tracker.null_tol,
+                tracker.baselines, tracker.baseline_rows,
+            )  # fmt: skip
     except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
         out.norm_failures[norm.name] = f"{type(err).__name__}: {err}"
         return
