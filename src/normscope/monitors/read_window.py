@@ -253,8 +253,22 @@ def gather_records(records: ReadRecords) -> list[ReadRecords]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [records]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, records)
+    dist.all_gather_object(gathered, _on_cpu(records))
     return gathered
+
+
+def _on_cpu(records: ReadRecords) -> ReadRecords:
+    """The records with every tensor of the norm reports (gamma's ``v_star``) on the CPU: a
+    pickled CUDA tensor would be unpickled onto the sender's device."""
+    norms = {}
+    for name, report in records.norms.items():
+        v = report.gamma.v_star
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+            report = dataclasses.replace(
+                report, gamma=dataclasses.replace(report.gamma, v_star=v.cpu())
+            )
+        norms[name] = report
+    return dataclasses.replace(records, norms=norms)
 
 
 def finish_report(
