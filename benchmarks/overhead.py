@@ -100,6 +100,15 @@ def _sync_module(pl_module) -> None:
         torch.cuda.synchronize(pl_module.device)
 
 
+class TimedMonitor(DeadDirectionMonitor):
+    """The monitor, keeping each read's critical-path seconds as its cost guard times them: the
+    whole read when synchronous; the hand-off plus the publish when asynchronous."""
+
+    def _judge_cost(self, read_seconds: float) -> None:
+        self.__dict__.setdefault("read_costs", []).append(read_seconds)
+        super()._judge_cost(read_seconds)
+
+
 class WandbWatch(L.Callback):
     def __init__(self, every: int, run_dir: str) -> None:
         self.every = every
@@ -154,7 +163,7 @@ def run(
     tmp = tempfile.mkdtemp(prefix="normscope-bench-")
     if config in ("dd", "dd-async"):
         inner.append(
-            DeadDirectionMonitor(
+            TimedMonitor(
                 every_n_steps=every, verbose=False, alerts=(), async_reads=config == "dd-async"
             )
         )
@@ -162,7 +171,10 @@ def run(
         inner.append(WandbWatch(every, tmp))
     trainer = timed_trainer(timer, inner, steps)
     trainer.fit(module, train_dataloaders=train)
-    return summarise(timer, every, skip=5)
+    out = summarise(timer, every, skip=5)
+    costs = [c for m in inner for c in getattr(m, "read_costs", [])]
+    out["read_critical"] = statistics.median(costs) if costs else float("nan")
+    return out
 
 
 def summarise(timer: StepTimer, every: int, skip: int = 5) -> dict:
@@ -236,6 +248,9 @@ def render(data: list[dict]) -> list[list[str]]:
 ASYNC_HEADERS = [
     "width",
     "every",
+    "sync read, critical path ms",
+    "async read, critical path ms",
+    "async / sync (critical)",
     "sync ms per read",
     "async ms per read",
     "async / sync",
@@ -246,7 +261,9 @@ ASYNC_HEADERS = [
 
 
 def render_async(data: list[dict]) -> list[list[str]]:
-    """Sync against async reads, from one run: per read, ``every x (mean - none mean)`` (all
+    """Sync against async reads, from one run: the monitor's own critical-path time per read
+    (median; as its cost guard times it: sync the whole read, async the hand-off plus the
+    publish), per read ``every x (mean - none mean)`` (all
     the critical-path time a read adds, wherever it lands: the read step, the publish, the
     worker competing with training), and the read step's own extra (sampled minus non-sampled
     mean)."""
@@ -258,10 +275,14 @@ def render_async(data: list[dict]) -> list[list[str]]:
             sync, asyn = block[f"dd sync every={every}"], block[f"dd async every={every}"]
             per = [every * (r["mean"] - base) for r in (sync, asyn)]
             own = [r["sampled_mean"] - r["quiet_mean"] for r in (sync, asyn)]
+            crit = [r.get("read_critical", math.nan) for r in (sync, asyn)]
             rows.append(
                 [
                     str(width),
                     str(every),
+                    f"{1e3 * crit[0]:.1f}",
+                    f"{1e3 * crit[1]:.1f}",
+                    f"{crit[1] / crit[0]:.2f}" if crit[0] > 0 else "-",
                     f"{1e3 * per[0]:.1f}",
                     f"{1e3 * per[1]:.1f}",
                     f"{per[1] / per[0]:.2f}" if per[0] > 0 else "-",

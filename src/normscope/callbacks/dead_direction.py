@@ -272,6 +272,8 @@ class DeadDirectionMonitor(AsyncReads, AttachStream, MonitorCallback):
         if trainer.global_step == completed:
             return  # mid accumulation
         published = self._publish_due(trainer)  # async_reads: a read that is ready (DDP: due)
+        if self.disabled:
+            return  # the published read failed: every rank stopped reading there, together
         if completed == self._discovery_step:
             self._clock(plain=False)
             return  # discovery's step: its forwards ran before the taps existed

@@ -50,6 +50,8 @@ class Handshake:
         try:
             if trainer.world_size <= 1:
                 self._owes_handshake = False
+            elif hook == "on_train_end":
+                self._owe_publish(trainer)  # the peers publish the last read here
             elif hook == "on_train_batch_start":
                 self._step_at_batch_start = trainer.global_step
             elif hook == "on_train_batch_end":
