@@ -202,6 +202,7 @@ def test_the_default_is_off_in_plain_loops_and_reports_come_at_the_publish():
     """Plain loops (a :class:`LoopView`) read synchronously by default; with
     ``async_reads=True`` a step's :class:`StepResult` carries the report published at it."""
     assert default_async(LoopView()) is False
+    assert default_async(L.Trainer(accelerator="cpu", logger=False)) is False  # CPU: measured
     torch.manual_seed(0)
     model = TinyLM()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
