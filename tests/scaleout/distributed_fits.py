@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +357,8 @@ class FailOnRank1(LitTiny):
 
             if self.what == "as_dict":
                 DeadDirectionReport.as_dict = broken
+            elif self.what == "result":  # async_reads: the worker's result, before the gather
+                self.monitor._worker.result = broken
             else:
                 setattr(self.monitor.tracker, self.what, broken)
 
@@ -385,6 +388,38 @@ def fit_fail(out: Path) -> dict[str, Any]:
             "last_read_step": monitor.last_read_step,
             "disabled": monitor.disabled,
             "failure": monitor.failure,
+        }
+    return results
+
+
+ASYNC_FAIL_CASES = ("min_rows", "as_dict", "result")
+
+
+def fit_fail_async(out: Path) -> dict[str, Any]:
+    """``fit_fail`` with ``async_reads=True``: a read in flight when rank 1 fails (``result``:
+    at its publish, before the gather; ``as_dict``: after the gather, before the stop vote)."""
+    results = {}
+    for what in ASYNC_FAIL_CASES:
+        L.seed_everything(0, verbose=False)
+        monitor = DeadDirectionMonitor(
+            every_n_steps=2,
+            stop_on_alert=True,
+            verbose=False,
+            async_reads=True,
+            **SEPARATE_DISCOVERY,
+        )
+        t = trainer(monitor, FAIL_STEPS, [CSVLogger(out, name=f"fail_async_{what}")])
+        original = DeadDirectionReport.as_dict
+        try:
+            t.fit(FailOnRank1(monitor, what, at=3), train_dataloaders=token_loader(n=512))
+        finally:
+            DeadDirectionReport.as_dict = original
+        results[what] = {
+            "global_step": t.global_step,
+            "reads": monitor.reads,
+            "disabled": monitor.disabled,
+            "failure": monitor.failure,
+            "threads": [th.name for th in threading.enumerate() if th.name.startswith("normscope")],
         }
     return results
 
@@ -505,6 +540,7 @@ FITS = {
     "stop": fit_stop,
     "fsdp": fit_fsdp,
     "fail": fit_fail,
+    "fail_async": fit_fail_async,
     "sm": fit_sm,
     "sources": fit_sources,
 }

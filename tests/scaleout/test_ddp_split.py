@@ -55,3 +55,17 @@ def test_async_stop_under_ddp_comes_at_the_publish_on_both_ranks(distributed_run
     rank0, rank1 = (distributed_run["results"]["exact_async", r] for r in (0, 1))
     assert [a["rule"] for a in rank1["fired"]] == ["rank_one_only"]
     assert rank0["global_step"] == rank1["global_step"] == EXACT_STOP + 1
+
+
+@pytest.mark.parametrize("what", ["min_rows", "as_dict", "result"])
+def test_an_async_failure_on_one_rank_stalls_no_rank(distributed_run, what):
+    """Rank 1's monitor fails with a read in flight (``result``: at the publish, before the
+    gather it still joins with an error record; ``as_dict``: after the gather, before the stop
+    vote it still casts) or at a window's end: both ranks finish the fit, both stop reading,
+    no worker thread is left."""
+    r0 = distributed_run["results"]["fail_async", 0][what]
+    r1 = distributed_run["results"]["fail_async", 1][what]
+    assert r0["global_step"] == r1["global_step"] == 8
+    assert r1["disabled"] and f"injected on rank 1: {what}" in r1["failure"]
+    assert r0["disabled"] and "another rank failed" in r0["failure"]
+    assert r0["threads"] == r1["threads"] == []

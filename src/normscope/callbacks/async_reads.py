@@ -199,6 +199,8 @@ class AsyncReads:
     def _deliver(self, trainer: Trainer, report: Any) -> None:
         """Publish ``report`` (of the read at ``report.step``): counters, W&B charts, loggers,
         rules and sinks, the read line, the stop decision."""
+        # Set first: a failure anywhere below still owes the peers this read's stop vote.
+        self._vote_owed = self.stop_on_alert and trainer.world_size > 1
         step = report.step
         self.reads += 1
         self.last_read_step = step
@@ -218,7 +220,6 @@ class AsyncReads:
                 ),
                 "W&B charts",
             )
-        self._vote_owed = self.stop_on_alert and trainer.world_size > 1
         fired = self._publish(trainer, metrics, step)
         if self.verbose and trainer.is_global_zero:
             self._local(
