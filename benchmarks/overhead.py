@@ -6,6 +6,10 @@ The demo model (``examples/nanogpt.py``) is trained for the same steps in each c
 * ``dd every=N``                 -- DeadDirectionMonitor(every_n_steps=N), the default N = 50 among them;
 * ``wandb.watch every=N``        -- ``wandb.watch(model, log="all", log_freq=N)`` (offline W&B run),
                                     the monitoring users already run;
+* with ``--async-reads``: ``dd sync every=N`` and ``dd async every=N`` (``async_reads=False`` /
+  ``True``) instead of the two above, and a second table: each read's critical-path cost,
+  ``every x (mean - none mean)`` (the read step, the publish and the worker's contention with
+  training all included), and the read step's own extra, sync and async side by side;
 
 Each step is timed (forward + backward + optimiser, wall clock) inside a Lightning fit, from
 the first callback's ``on_train_batch_start`` to the last callback's ``on_train_batch_end``, so a
@@ -16,6 +20,7 @@ folded + the read), and the ratio of the mean to ``none``. Usage::
 
     python benchmarks/overhead.py                 # steps=200, cadences 50 and 10, 2 repeats
     python benchmarks/overhead.py --steps 400 --every 50 10 1 --width 128 256
+    python benchmarks/overhead.py --async-reads --steps 160 --every 10 50 --threads 1
 """
 
 from __future__ import annotations
@@ -95,6 +100,15 @@ def _sync_module(pl_module) -> None:
         torch.cuda.synchronize(pl_module.device)
 
 
+class TimedMonitor(DeadDirectionMonitor):
+    """The monitor, keeping each read's critical-path seconds as its cost guard times them: the
+    whole read when synchronous; the hand-off plus the publish when asynchronous."""
+
+    def _judge_cost(self, read_seconds: float) -> None:
+        self.__dict__.setdefault("read_costs", []).append(read_seconds)
+        super()._judge_cost(read_seconds)
+
+
 class WandbWatch(L.Callback):
     def __init__(self, every: int, run_dir: str) -> None:
         self.every = every
@@ -137,7 +151,9 @@ def timed_trainer(timer: StepTimer, monitors: list, steps: int, **kw: Any) -> L.
     return trainer
 
 
-def run(config: str, every: int, steps: int, width: int, batch_size: int) -> dict:
+def run(
+    config: str, every: int, steps: int, width: int, batch_size: int, async_reads: bool = False
+) -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig(n_embd=width)
     module = LitGPT(cfg)
@@ -145,13 +161,20 @@ def run(config: str, every: int, steps: int, width: int, batch_size: int) -> dic
     timer = StepTimer()
     inner: list[L.Callback] = []
     tmp = tempfile.mkdtemp(prefix="normscope-bench-")
-    if config == "dd":
-        inner.append(DeadDirectionMonitor(every_n_steps=every, verbose=False, alerts=()))
+    if config in ("dd", "dd-async"):
+        inner.append(
+            TimedMonitor(
+                every_n_steps=every, verbose=False, alerts=(), async_reads=config == "dd-async"
+            )
+        )
     elif config == "watch":
         inner.append(WandbWatch(every, tmp))
     trainer = timed_trainer(timer, inner, steps)
     trainer.fit(module, train_dataloaders=train)
-    return summarise(timer, every, skip=5)
+    out = summarise(timer, every, skip=5)
+    costs = [c for m in inner for c in getattr(m, "read_costs", [])]
+    out["read_critical"] = statistics.median(costs) if costs else float("nan")
+    return out
 
 
 def summarise(timer: StepTimer, every: int, skip: int = 5) -> dict:
@@ -222,6 +245,55 @@ def render(data: list[dict]) -> list[list[str]]:
     return rows
 
 
+ASYNC_HEADERS = [
+    "width",
+    "every",
+    "sync read, critical path ms",
+    "async read, critical path ms",
+    "async / sync (critical)",
+    "sync ms per read",
+    "async ms per read",
+    "async / sync",
+    "sync read-step extra ms",
+    "async read-step extra ms",
+    "async / sync (read step)",
+]
+
+
+def render_async(data: list[dict]) -> list[list[str]]:
+    """Sync against async reads, from one run: the monitor's own critical-path time per read
+    (median; as its cost guard times it: sync the whole read, async the hand-off plus the
+    publish), per read ``every x (mean - none mean)`` (all
+    the critical-path time a read adds, wherever it lands: the read step, the publish, the
+    worker competing with training), and the read step's own extra (sampled minus non-sampled
+    mean)."""
+    rows = []
+    for width in dict.fromkeys(r["width"] for r in data):
+        block = {r["configuration"]: r for r in data if r["width"] == width}
+        base = block["none"]["mean"]
+        for every in sorted({r["every"] for r in data if r["configuration"] != "none"}):
+            sync, asyn = block[f"dd sync every={every}"], block[f"dd async every={every}"]
+            per = [every * (r["mean"] - base) for r in (sync, asyn)]
+            own = [r["sampled_mean"] - r["quiet_mean"] for r in (sync, asyn)]
+            crit = [r.get("read_critical", math.nan) for r in (sync, asyn)]
+            rows.append(
+                [
+                    str(width),
+                    str(every),
+                    f"{1e3 * crit[0]:.1f}",
+                    f"{1e3 * crit[1]:.1f}",
+                    f"{crit[1] / crit[0]:.2f}" if crit[0] > 0 else "-",
+                    f"{1e3 * per[0]:.1f}",
+                    f"{1e3 * per[1]:.1f}",
+                    f"{per[1] / per[0]:.2f}" if per[0] > 0 else "-",
+                    f"{1e3 * own[0]:.1f}",
+                    f"{1e3 * own[1]:.1f}",
+                    f"{own[1] / own[0]:.2f}" if own[0] > 0 else "-",
+                ]
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -232,6 +304,11 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads (1: reproducible on a shared machine)"
     )
+    parser.add_argument(
+        "--async-reads",
+        action="store_true",
+        help="compare DeadDirectionMonitor(async_reads=False) with async_reads=True",
+    )
     parser.add_argument("--out", default=None, help="also write <out>.md and <out>.json")
     parser.add_argument("--render", default=None, help="print the table of a saved <out>.json")
     args = parser.parse_args()
@@ -239,6 +316,8 @@ def main() -> None:
         saved = json.loads(Path(args.render).read_text())
         print(saved.get("head", machine_line(saved["machine"])) + "\n")
         print(markdown_table(HEADERS, render(saved["results"])))
+        if saved.get("async_reads"):
+            print("\n" + markdown_table(ASYNC_HEADERS, render_async(saved["results"])))
         return
     os.environ.setdefault("WANDB_SILENT", "true")
     warnings.filterwarnings("ignore")
@@ -250,6 +329,12 @@ def main() -> None:
     for width in args.width:
         configs = [("none", "none", max(args.every))]
         for every in args.every:
+            if args.async_reads:
+                configs += [
+                    (f"dd sync every={every}", "dd", every),
+                    (f"dd async every={every}", "dd-async", every),
+                ]
+                continue
             configs += [
                 (f"dd every={every}", "dd", every),
                 (f"wandb.watch every={every}", "watch", every),
@@ -267,8 +352,11 @@ def main() -> None:
         for name, _, every in configs:
             data.append({"width": width, "configuration": name, "every": every, **best[name]})
     text = head + "\n\n" + markdown_table(HEADERS, render(data))
+    if args.async_reads:
+        text += "\n\n" + markdown_table(ASYNC_HEADERS, render_async(data))
     print("\n" + text, flush=True)
-    write_outputs(args.out, text, {"machine": info, "head": head, "results": data})
+    saved = {"machine": info, "head": head, "results": data, "async_reads": args.async_reads}
+    write_outputs(args.out, text, saved)
 
 
 if __name__ == "__main__":

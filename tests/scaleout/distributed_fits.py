@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -189,18 +190,24 @@ def trainer(monitor: DeadDirectionMonitor, steps: int, loggers: list, **kw: Any)
     )
 
 
-def fit_exact(out: Path) -> dict[str, Any]:
+def fit_exact(out: Path, async_reads: bool = False) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     reads: list[dict[str, Any]] = []
     delivered: list[dict[str, Any]] = []
+    solves: list[int] = []  # jobs this rank solved at each read (its share of a split read)
     monitor = DeadDirectionMonitor(
         **SEPARATE_DISCOVERY,
         every_n_steps=EXACT_EVERY,
         max_rows_per_step=None,
-        rules=[recorder(reads), rank_one_only(at_step=EXACT_STOP)],
+        rules=[
+            recorder(reads),
+            rank_one_only(at_step=EXACT_STOP),
+            CallableRule("solves", lambda m, step: solves.append(monitor.tracker.last_solves)),
+        ],
         alerts=(lambda a: delivered.append(a.as_dict()),),
         stop_on_alert=True,
         verbose=False,
+        async_reads=async_reads,
     )
     module = LitDict(lr=0.0)
     t = trainer(
@@ -208,15 +215,27 @@ def fit_exact(out: Path) -> dict[str, Any]:
     )
     t.fit(module)
     if t.is_global_zero:
-        torch.save(module.state_dict(), out / "exact_weights.pt")
+        torch.save(module.state_dict(), out / f"exact{'_async' if async_reads else ''}_weights.pt")
     return {
         "global_step": t.global_step,
         "reads": reads,
+        "solves": solves,
+        "jobs": _jobs(monitor.tracker),
         "fired": [a.as_dict() for a in monitor.alerts_fired],
         "delivered": delivered,
         "log_dir": t.logger.log_dir,
         "failure": monitor.failure,
     }
+
+
+def _jobs(tracker: DeadDirectionTracker) -> int:
+    """The jobs of one whole read: norm layers, residual points, margins (no sources here)."""
+    points = len(tracker._point_taps)
+    return len(tracker.norms) + points + max(points - 1, 0)
+
+
+def fit_exact_async(out: Path) -> dict[str, Any]:
+    return fit_exact(out, async_reads=True)
 
 
 def fit_stop(out: Path) -> dict[str, Any]:
@@ -338,6 +357,8 @@ class FailOnRank1(LitTiny):
 
             if self.what == "as_dict":
                 DeadDirectionReport.as_dict = broken
+            elif self.what == "result":  # async_reads: the worker's result, before the gather
+                self.monitor._worker.result = broken
             else:
                 setattr(self.monitor.tracker, self.what, broken)
 
@@ -367,6 +388,38 @@ def fit_fail(out: Path) -> dict[str, Any]:
             "last_read_step": monitor.last_read_step,
             "disabled": monitor.disabled,
             "failure": monitor.failure,
+        }
+    return results
+
+
+ASYNC_FAIL_CASES = ("min_rows", "as_dict", "result")
+
+
+def fit_fail_async(out: Path) -> dict[str, Any]:
+    """``fit_fail`` with ``async_reads=True``: a read in flight when rank 1 fails (``result``:
+    at its publish, before the gather; ``as_dict``: after the gather, before the stop vote)."""
+    results = {}
+    for what in ASYNC_FAIL_CASES:
+        L.seed_everything(0, verbose=False)
+        monitor = DeadDirectionMonitor(
+            every_n_steps=2,
+            stop_on_alert=True,
+            verbose=False,
+            async_reads=True,
+            **SEPARATE_DISCOVERY,
+        )
+        t = trainer(monitor, FAIL_STEPS, [CSVLogger(out, name=f"fail_async_{what}")])
+        original = DeadDirectionReport.as_dict
+        try:
+            t.fit(FailOnRank1(monitor, what, at=3), train_dataloaders=token_loader(n=512))
+        finally:
+            DeadDirectionReport.as_dict = original
+        results[what] = {
+            "global_step": t.global_step,
+            "reads": monitor.reads,
+            "disabled": monitor.disabled,
+            "failure": monitor.failure,
+            "threads": [th.name for th in threading.enumerate() if th.name.startswith("normscope")],
         }
     return results
 
@@ -483,9 +536,11 @@ def fit_sources(out: Path) -> dict[str, Any]:
 
 FITS = {
     "exact": fit_exact,
+    "exact_async": fit_exact_async,
     "stop": fit_stop,
     "fsdp": fit_fsdp,
     "fail": fit_fail,
+    "fail_async": fit_fail_async,
     "sm": fit_sm,
     "sources": fit_sources,
 }

@@ -25,14 +25,14 @@ from normscope.callbacks._base import (
     compiled,
     fail_open,
 )
+from normscope.callbacks.async_reads import AsyncReads
 from normscope.callbacks.dead_direction_discovery import AttachStream
-from normscope.callbacks.wandb_extras import log_wandb_extras
 from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.dead_direction import (
     DeadDirectionReport,
     DeadDirectionTracker,
 )
-from normscope.monitors.format import format_read_line, format_summary
+from normscope.monitors.format import format_summary
 from normscope.monitors.scan import batch_mask
 
 __all__ = ["DeadDirectionMonitor"]
@@ -42,7 +42,7 @@ __all__ = ["DeadDirectionMonitor"]
 _HALF_TRUE = ("bf16-true", "16-true")
 
 
-class DeadDirectionMonitor(AttachStream, MonitorCallback):
+class DeadDirectionMonitor(AsyncReads, AttachStream, MonitorCallback):
     r"""Log the dead-direction geometry of every norm layer and the residual stream's
     ``sigma_min`` depth profile while a model trains, and alert when the stream collapses.
 
@@ -108,6 +108,13 @@ class DeadDirectionMonitor(AttachStream, MonitorCallback):
             instead of ``dd/...``, so each gets its own W&B section; its alerts name it
             (``DeadDirectionMonitor[name]: ...``). Rules still see the ``dd/`` keys. A
             non-empty string without ``/``, brackets or whitespace.
+        async_reads: run each read's eigensolves on a background thread (a side CUDA stream on
+            a GPU) while training goes on; the read is published at the first optimiser step
+            end after it is ready (under DDP: the next one), logged under its own step, and
+            alerts and ``stop_on_alert`` act then. ``None``: on under a Lightning ``Trainer``
+            with a GPU or a CPU core left free by training's threads, off in plain loops
+            (docs/monitors.md, "Asynchronous reads"). The numbers are those of a synchronous
+            read, bit for bit.
 
     Raises:
         MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
@@ -153,6 +160,7 @@ class DeadDirectionMonitor(AttachStream, MonitorCallback):
         sources: Callable[[Any], Any] | str | None = None,
         max_sources: int = 8,
         name: str | None = None,
+        async_reads: bool | None = None,
     ) -> None:
         self._remember_arguments(DeadDirectionMonitor.__init__, locals())
         super().__init__(every_n_steps, overhead_warn, name)
@@ -201,6 +209,8 @@ class DeadDirectionMonitor(AttachStream, MonitorCallback):
         self.example_forward = example_forward
         self.verbose = verbose
         self.seed = seed
+        self.async_reads = async_reads
+        self._init_async()
 
         self.tracker: DeadDirectionTracker | None = None
         self.reads = 0
@@ -261,11 +271,14 @@ class DeadDirectionMonitor(AttachStream, MonitorCallback):
         completed = self._step_at_batch_start  # the optimiser step these micro-batches belong to
         if trainer.global_step == completed:
             return  # mid accumulation
+        published = self._publish_due(trainer)  # async_reads: a read that is ready (DDP: due)
+        if self.disabled:
+            return  # the published read failed: every rank stopped reading there, together
         if completed == self._discovery_step:
             self._clock(plain=False)
             return  # discovery's step: its forwards ran before the taps existed
         if not self._in_window(completed):
-            self._clock(plain=True)
+            self._clock(plain=not published)
             return  # not a sampled step
         have, peers_failed = self._peers_failed(trainer, tracker.min_rows())
         if peers_failed:
@@ -276,24 +289,36 @@ class DeadDirectionMonitor(AttachStream, MonitorCallback):
             return  # keep the window open one more optimiser step
         started = time.perf_counter()
         self._read(trainer)
-        self._judge_cost(time.perf_counter() - started)
+        if not self._async:  # an asynchronous read is judged at its publish
+            self._judge_cost(time.perf_counter() - started)
         self._clock(plain=False)
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._publish_due(trainer, wait=True)  # the last read is never lost
+
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._publish_due(trainer, wait=True)  # plain loops: Watch.close() calls this
+        self._stop_worker()
         if self.verbose and self.last_report is not None and trainer.is_global_zero:
             rank_zero_info(
                 self._named(format_summary(self.last_report, self.reads, self.alerts_fired))
             )
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop_worker()
         if self.tracker is not None:
             self.tracker.detach()
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
+        self._stop_worker()  # the read in flight is dropped, the thread joined
         if self.tracker is not None:
             self.tracker.detach()
+
+    def _detach(self) -> None:
+        self._stop_worker()  # disabled: no thread left behind (the hooks no longer run)
+        super()._detach()
 
     # ------------------------------------------------------------ schedule
     def _enough_rows(self, have: float) -> bool:
@@ -310,41 +335,7 @@ class DeadDirectionMonitor(AttachStream, MonitorCallback):
             return False
         return step == self._late_window or super()._in_window(step)
 
-    # ------------------------------------------------------------ the read
-    def _read(self, trainer: Trainer) -> None:
-        assert self.tracker is not None
-        step = trainer.global_step
-        report = self.tracker.read(step=step, reduce=trainer.world_size > 1)
-        self._deferred = 0
-        self.reads += 1
-        self.last_read_step = step
-        self.last_report = report
-        metrics = report.as_dict()
-        # Rank zero alone runs these two: a failure there must not skip the stop decision's
-        # collective below, so each fails on its own (one warning) and the read goes on.
-        if trainer.is_global_zero:
-            self._local(
-                lambda: log_wandb_extras(
-                    trainer,
-                    report,
-                    step,
-                    reads=self.reads,
-                    every=self.charts_every_n_reads,
-                    name=self.name,
-                ),
-                "W&B charts",
-            )
-        fired = self._publish(trainer, metrics, step)
-        if self.verbose and trainer.is_global_zero:
-            self._local(
-                lambda: rank_zero_info(self._named(format_read_line(report, fired))), "read line"
-            )
-        if self.stop_on_alert:
-            self._stop_decided_step = self._step_at_batch_start
-            stop = trainer.strategy.reduce_boolean_decision(bool(fired), all=False)
-            if stop:
-                trainer.should_stop = True
-
+    # ------------------------------------------------------------ the read (async_reads.py)
     def _named(self, text: str) -> str:
         """A read line or summary under this monitor's name: ``normscope[fast] step 50 | ...``."""
         return text.replace("normscope", f"normscope[{self.name}]", 1) if self.name else text
@@ -353,7 +344,11 @@ class DeadDirectionMonitor(AttachStream, MonitorCallback):
     def state_dict(self) -> dict[str, Any]:
         """Counters, baselines (for ``deepening``) and alert state. The open window's
         accumulators are not saved (they would add ``8 d^2`` bytes per tap to every checkpoint):
-        a run resumed mid-window starts the window again."""
+        a run resumed mid-window starts the window again. A read in flight
+        (``async_reads``) is waited for and published first; under DDP its solves are waited for
+        and it is published at its usual step, so the saved counters and rule states are those
+        of the read before it (docs/monitors.md, "Asynchronous reads")."""
+        self._wait_in_flight()
         baselines = self.tracker.baselines if self.tracker is not None else self._baselines
         return {
             "reads": self.reads,

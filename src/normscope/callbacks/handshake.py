@@ -50,11 +50,15 @@ class Handshake:
         try:
             if trainer.world_size <= 1:
                 self._owes_handshake = False
+            elif hook == "on_train_end":
+                self._owe_publish(trainer)  # the peers publish the last read here
             elif hook == "on_train_batch_start":
                 self._step_at_batch_start = trainer.global_step
             elif hook == "on_train_batch_end":
                 completed = self._step_at_batch_start
-                if trainer.global_step == completed or not self._in_window(completed):
+                if trainer.global_step == completed or self._owe_publish(trainer):
+                    return
+                if not self._in_window(completed):
                     return
                 if self._handshake_step != completed:
                     self._owes_handshake = False
@@ -66,6 +70,12 @@ class Handshake:
                     trainer.strategy.reduce_boolean_decision(False, all=False)
         except Exception:  # noqa: BLE001 - nothing more a failed monitor can do
             self._owes_handshake = False
+
+    def _owe_publish(self, trainer: Trainer) -> bool:
+        """What a disabled rank still owes its peers for a read published at this step
+        (asynchronous reads: :class:`~normscope.callbacks.async_reads.AsyncReads`); True when
+        nothing more is owed at this step. Nothing without asynchronous reads."""
+        return False
 
     def _peers_failed(self, trainer: Trainer, rows: torch.Tensor) -> tuple[float, bool]:
         """The handshake of a healthy rank at a window's end: ``(global rows, stop)``; on

@@ -12,8 +12,7 @@ Lightning ``DeadDirectionMonitor`` are thin drivers of it. The reports are built
 Per norm layer two tensors are tapped: its input ``h`` (covariance ``C_h`` for the Schur quotient,
 second moment for ``sigma_min`` where the input is a residual point) and its output (covariance
 ``C`` for the kernel reads). A residual point that is not a norm input (a post-LN block output, say)
-gets a tap of its own. Taps are shared: one accumulator per ``(module, input|output)``.
-"""
+gets a tap of its own. Taps are shared: one accumulator per ``(module, input|output)``."""
 
 from __future__ import annotations
 
@@ -146,6 +145,7 @@ class DeadDirectionTracker:
         self._profile_failed: str | None = None
         self._discovery: ResidualDiscovery | None = None
         self.attached = False
+        self.last_solves = 0  # jobs this process solved at the last read (a split read: a share)
 
     # ------------------------------------------------------------------ hooks
     def discover(self, forward: ForwardFn | None) -> ResidualLayout | None:

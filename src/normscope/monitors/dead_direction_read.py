@@ -13,6 +13,12 @@ from normscope.functional.cancellation import no_cancellation_margin
 from normscope.functional.dead_direction import SchurRead, gamma_read, kernel_read, schur_quotient
 from normscope.functional.profile import SigmaMinProfile, sigma_min_profile
 from normscope.monitors.dead_direction_report import DeadDirectionReport, NormReport
+from normscope.monitors.read_window import (
+    finish_report,
+    gather_records,
+    solve_window,
+    take_window,
+)
 from normscope.taps.chain import PointChain
 from normscope.taps.hooks import Tap
 from normscope.taps.norms import NormLayer
@@ -22,56 +28,62 @@ from normscope.taps.sources import SourceSplit
 if TYPE_CHECKING:
     from normscope.monitors.dead_direction import DeadDirectionTracker
 
-__all__ = ["cross_moments", "read_norm", "read_profile", "read_report", "read_sources"]
+__all__ = [
+    "cross_moments",
+    "read_norm",
+    "read_profile",
+    "read_report",
+    "read_share",
+    "read_sources",
+    "reduce_taps",
+]
 
 
-def read_report(tracker: DeadDirectionTracker, step: int, *, reduce: bool) -> DeadDirectionReport:
+def read_report(
+    tracker: DeadDirectionTracker, step: int, *, reduce: bool, split: bool | None = None
+) -> DeadDirectionReport:
     """:meth:`DeadDirectionTracker.read <normscope.monitors.dead_direction.DeadDirectionTracker.read>`
     without the reset: reduce across processes (``reduce``), read every norm layer, the
     profile and the per-source profiles; a read that fails is disabled for the rest of the run
-    with a warning while the others go on."""
+    with a warning while the others go on.
+
+    ``split`` (default: ``reduce`` under more than one process): after the reduce every rank
+    holds the same accumulators, so each solves a round-robin share of the layers and points
+    and the records are gathered (:mod:`normscope.monitors.read_window`): every rank ends with
+    the same full report, the read time falls with the world size."""
     if reduce:
-        for tap in tracker.taps.taps.values():  # same order on every rank
-            tap.accumulator.reduce_()
-        # every rank holds the same cross-moments (a local failure only stops reading them)
-        for acc in tracker.taps.chain.cross if tracker.taps.chain is not None else ():
-            acc.reduce_()
-        if tracker.split is not None:
-            tracker.split.reduce_()  # source names agreed across ranks first
-    norms: dict[str, NormReport] = {}
-    for norm in tracker.norms:
-        tap_in, tap_out = tracker._norm_taps[norm.name]
-        if norm.name in tracker.failed_reads or tap_in.failed or tap_out.failed:
-            continue  # disabled: its own warning said why; the other layers are read
-        try:
-            norms[norm.name] = tracker._read_norm(norm)
-        except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
-            tracker.failed_reads[norm.name] = f"{type(err).__name__}: {err}"
-            _warn_disabled(f"the read of norm layer {norm.name!r}", tracker.failed_reads[norm.name])
-    profile = None
-    if tracker._profile_failed is None:
-        try:
-            profile = tracker._read_profile()
-        except Exception as err:  # noqa: BLE001
-            tracker._profile_failed = f"{type(err).__name__}: {err}"
-            _warn_disabled("the residual sigma_min profile", tracker._profile_failed)
-    rejected = sum(t.accumulator.rows_rejected for t in tracker.taps.taps.values())
-    failed = {
-        f"{t.module_name}:{t.where}": t.failed for t in tracker.taps.taps.values() if t.failed
-    }
-    failed.update({f"{name}:read": why for name, why in tracker.failed_reads.items()})
-    if tracker._profile_failed is not None:
-        failed["profile:read"] = tracker._profile_failed
-    report = DeadDirectionReport(step, norms, profile, tracker.layout, rejected, failed)
-    if tracker.split is not None and tracker.split.failed is None and profile is not None:
-        try:
-            report = dataclasses.replace(
-                report, sources=tracker._read_sources(), source_rule=tracker.source_rule
-            )
-        except Exception as err:  # noqa: BLE001 - the per-source reads only
-            tracker.split.failed = f"{type(err).__name__}: {err}"
-            _warn_disabled("the per-source reads", tracker.split.failed)
-    return report
+        reduce_taps(tracker)
+    share = read_share() if (reduce if split is None else split) else None
+    window = take_window(tracker, step, swap=False)
+    records = solve_window(tracker, window, share)
+    parts = gather_records(records) if share is not None else [records]
+    tracker.last_solves = records.solves
+    errors = [p.error for p in parts if p.error is not None]
+    if errors:
+        raise RuntimeError(f"the read failed: {errors[0]}")
+    return finish_report(tracker, window, parts)
+
+
+def reduce_taps(tracker: DeadDirectionTracker) -> None:
+    """The cross-rank reduce of every accumulator of ``tracker`` (a collective: every rank, the
+    same order); then every rank holds the same window."""
+    for tap in tracker.taps.taps.values():  # same order on every rank
+        tap.accumulator.reduce_()
+    # every rank holds the same cross-moments (a local failure only stops reading them)
+    for acc in tracker.taps.chain.cross if tracker.taps.chain is not None else ():
+        acc.reduce_()
+    if tracker.split is not None:
+        tracker.split.reduce_()  # source names agreed across ranks first
+
+
+def read_share() -> tuple[int, int] | None:
+    """``(rank, world)`` of this process under ``torch.distributed`` with more than one
+    process, else None (one process reads everything)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return None
 
 
 def read_norm(
@@ -136,10 +148,18 @@ def read_profile(
 def read_sources(split: SourceSplit, layout: ResidualLayout) -> dict[str, SigmaMinProfile]:
     """One profile per source, on its own rows (NaN with ``insufficient_rows`` below
     ``2 d`` rows at a point)."""
+    return read_sources_of(split.accs, layout)
+
+
+def read_sources_of(
+    accs_by_source: dict[str, list], layout: ResidualLayout
+) -> dict[str, SigmaMinProfile]:
+    """:func:`read_sources` of the given per-source accumulators (by source name; a window's,
+    or a rank's share of them)."""
     points = layout.points
     out: dict[str, SigmaMinProfile] = {}
-    for name in sorted(split.accs):
-        accs = split.accs[name]
+    for name in sorted(accs_by_source):
+        accs = accs_by_source[name]
         out[name] = sigma_min_profile(
             [p.name for p in points],
             [a.second_moment() for a in accs],
