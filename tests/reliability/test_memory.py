@@ -150,7 +150,8 @@ def test_two_thousand_reads_grow_nothing():
     grown = sum(s.size_diff for s in snap1.compare_to(snap0, "filename"))
     assert report.norms["ln_f"].kernel.gamma_alignment >= 0.9999  # reads are real to the end
     assert report.norms["ln_f"].n_rows == 32
-    assert end[0] == start[0], ("tensors", start[0], end[0])
+    # no growth; a drop is objects of earlier tests freed meanwhile (seen once: 772 -> 678)
+    assert end[0] <= start[0], ("tensors", start[0], end[0])
     assert end[1] - start[1] <= 20, ("python objects", start[1], end[1])
     assert end[2] - start[2] <= 16 * 2**20, ("rss bytes", start[2], end[2])
     # Measured 5-8.3 KiB of live blocks that come and go (tensor views of the fold's row
