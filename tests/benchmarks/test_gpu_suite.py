@@ -77,9 +77,19 @@ def test_smoke_accumulator_matches_the_cpu_float64_reference(smoke) -> None:
 def test_smoke_eigensolves_and_reads_are_timed(smoke) -> None:
     _, data, _ = smoke
     for r in data["parts"]["eigensolves"]["rows"]:
-        for key in ("symmetric_eigh", "eigvalsh", "kernel_read", "schur_quotient", "sigma_min"):
+        for key in (
+            "symmetric_eigh",
+            "eigvalsh",
+            "kernel_read",
+            "kernel_read_fast",
+            "schur_quotient",
+            "sigma_min",
+            "sigma_min_fast",
+        ):
             assert r[key] > 0
         assert r["eig_ok"] is True
+        # the default route against the dense one on the device (dense below d = 1024)
+        assert r["fast_ok"] is True and r["fast_rel_err"] <= 1e-10
     (read,) = data["parts"]["monitor read"]["rows"]
     assert read["model"] == "2x64" and read["read_finite"] is True
     assert read["taps"] > 0 and read["read_s"] > 0 and read["every_1pct"] >= 1
@@ -90,7 +100,9 @@ def test_smoke_training_runs_each_monitor_configuration(smoke) -> None:
     rows = {r["configuration"]: r for r in data["parts"]["training"]["rows"]}
     assert set(rows) == {
         "none",
-        "DeadDirectionMonitor every=3",
+        "DeadDirectionMonitor every=3 (default)",
+        "DeadDirectionMonitor every=3 sync",
+        "DeadDirectionMonitor every=3 async",
         "SignMagnitudeMonitor every=3",
         "both every=3",
         "DeadDirectionMonitor every=1",
