@@ -57,3 +57,19 @@ def test_parts_equal_the_whole_profile(case):
             assert len(a) == len(b)
         else:
             assert _same(a, b), (case, field.name)
+
+
+def test_dense_fallbacks_of_points_solved_apart_are_summed():
+    """A split read's points report their dense fallbacks with their values; the profile put
+    together from them counts them, as ``sigma_min_profile`` does (``dd/solver_fallbacks``)."""
+    points = [
+        SimpleNamespace(name="embed", sublayer=None),
+        SimpleNamespace(name="h.0", sublayer="attn"),
+    ]
+    profile = profile_from_parts(points, [(1.0, None, 1), (2.0, None, 0)], [8, 8], [2, 2])
+    assert profile.dense_fallbacks == 1
+    assert profile.sigma_min_ratio_min == 2.0
+    # the old two-field records (value, reason) still build a profile, with no fallbacks
+    assert (
+        profile_from_parts(points, [(1.0, None), (2.0, None)], [8, 8], [2, 2]).dense_fallbacks == 0
+    )

@@ -39,6 +39,7 @@ __all__ = [
     "MIN_ROWS_PER_DIM",
     "ProfilePoint",
     "SigmaMinProfile",
+    "profile_from_sigmas",
     "sigma_min",
     "ratio_bounds",
     "sigma_min_profile",
@@ -298,31 +299,62 @@ def sigma_min_profile(
         return SigmaMinProfile((), _NAN, None, "no_points")
 
     reads = [_sigma_min(s, n, "sigma_min_profile", solver) for s, n in zip(second_moments, n_rows)]
-    own = [(value, reason) for value, reason, _ in reads]  # (sigma_min, reason) per point
-    fb = sum(f for _, _, f in reads)
-    first = own[0][0]
+    return profile_from_sigmas(
+        names,
+        sublayers,
+        [(value, reason) for value, reason, _ in reads],
+        [row_count(n, "sigma_min_profile") for n in n_rows],
+        [m.shape[-1] for m in second_moments],
+        dense_fallbacks=sum(f for _, _, f in reads),
+    )
+
+
+def profile_from_sigmas(
+    names: Sequence[str],
+    sublayers: Sequence[str | None],
+    sigmas: Sequence[tuple[float, str | None]],
+    n_rows: Sequence[int],
+    dims: Sequence[int],
+    *,
+    dense_fallbacks: int = 0,
+) -> SigmaMinProfile:
+    """The profile from each point's solved ``(sigma_min, reason)``, row count and width:
+    what :func:`sigma_min_profile` builds once its points are solved (a read split across
+    ranks solves them apart and builds it here). Same ratios, steps, intervals and reasons.
+
+    Example::
+
+        >>> prof = profile_from_sigmas(["embed", "h.0"], [None, "attn"],
+        ...                            [(1.0, None), (2.0, None)], [8, 8], [2, 2])
+        >>> prof.sigma_min_ratio_min, prof.worst_point
+        (2.0, 'h.0')
+    """
+    if not names:
+        return SigmaMinProfile((), _NAN, None, "no_points", dense_fallbacks=dense_fallbacks)
+    fb = dense_fallbacks
+    first = sigmas[0][0]
     first_ok = math.isfinite(first) and first > 0
     points: list[ProfilePoint] = []
-    for k, (name, (value, reason)) in enumerate(zip(names, own)):
+    for k, (name, (value, reason)) in enumerate(zip(names, sigmas)):
         if k == 0:
             ratio = step = 1.0 if first_ok else _NAN
             reason = reason or (None if first_ok else "first_point_unavailable")
         else:
-            prev = own[k - 1][0]
+            prev = sigmas[k - 1][0]
             ratio = value / first if first_ok else _NAN
             step = value / prev if math.isfinite(prev) and prev > 0 else _NAN
             if reason is None and not first_ok:
                 reason = "first_point_unavailable"
             elif reason is None and math.isnan(step):
                 reason = "previous_point_unavailable"
-        count = row_count(n_rows[k], "sigma_min_profile")
-        dim = second_moments[k].shape[-1]
+        count = int(n_rows[k])
+        dim = dims[k]
         per_dim = count / dim if dim else _NAN
         if k == 0:
             bounds = (ratio, ratio, step, step) if per_dim >= MIN_ROWS_PER_DIM else (_NAN,) * 4
         else:
-            n0 = min(count, row_count(n_rows[0], "sigma_min_profile"))
-            n1 = min(count, row_count(n_rows[k - 1], "sigma_min_profile"))
+            n0 = min(count, int(n_rows[0]))
+            n1 = min(count, int(n_rows[k - 1]))
             bounds = (
                 *ratio_bounds(ratio, n0, n0 / dim),
                 *ratio_bounds(step, n1, n1 / dim),

@@ -75,7 +75,7 @@ class ReadRecords:
     norms: dict[str, NormReport] = field(default_factory=dict)
     norm_failures: dict[str, str] = field(default_factory=dict)
     baselines: dict[str, tuple[float, int]] = field(default_factory=dict)  # set by this read
-    sigmas: dict[int, tuple[float, str | None]] = field(default_factory=dict)
+    sigmas: dict[int, tuple[float, str | None, int]] = field(default_factory=dict)
     margins: dict[int, float] = field(default_factory=dict)
     profile: Any = None  # the whole profile (no share)
     profile_failure: str | None = None
