@@ -130,3 +130,32 @@ def test_margin_reasons():
     assert no_cancellation_margin(eye, nan, 10)[1] == "previous_point_unavailable"
     assert no_cancellation_margin(eye, 0 * eye, 10)[1] == "previous_point_unavailable"
     assert math.isnan(no_cancellation_margin(eye, 0 * eye, 10)[0])
+
+
+@pytest.mark.parametrize("d", [12, 1100])
+def test_a_known_lambda_min_of_the_previous_point_gives_the_same_margin(d):
+    """The profile read passes ``sigma_min(p_{k-1})^2`` instead of solving ``S_{k-1}`` again:
+    the margin is the same to 1e-10 (the fast solver's bound at d >= 1024; at small d the dense
+    value squared back from its square root, a few ulps); a NaN or non-positive known value is
+    not used (the margin solves, and its reasons are unchanged)."""
+    from normscope.functional import sigma_min
+
+    n = 3 * d
+    rng = np.random.default_rng(5)  # well-conditioned S: lambda_min ~ 0.18 lambda_mean at N = 3d
+    x = rng.standard_normal((n, d))
+    y = x + 0.2 * x @ rng.standard_normal((d, d)) / math.sqrt(d)
+    acc = StreamingCrossMoment(d)
+    acc.update(torch.from_numpy(x), torch.from_numpy(y))
+    s = StreamingCovariance(d)
+    s.update(torch.from_numpy(x))
+    alone, why = no_cancellation_margin(acc.moment(), s.second_moment(), acc.count)
+    known = sigma_min(s.second_moment(), s.count) ** 2
+    reused, why_reused = no_cancellation_margin(
+        acc.moment(), s.second_moment(), acc.count, previous_lambda_min=known
+    )
+    assert why is None and why_reused is None
+    assert reused == pytest.approx(alone, rel=1e-10)
+    nan_given = no_cancellation_margin(
+        acc.moment(), s.second_moment(), acc.count, previous_lambda_min=math.nan
+    )
+    assert nan_given == (alone, None)

@@ -149,7 +149,11 @@ class StreamingCrossMoment:
 
 
 def no_cancellation_margin(
-    cross_moment: torch.Tensor, previous_second_moment: torch.Tensor, n_rows: int
+    cross_moment: torch.Tensor,
+    previous_second_moment: torch.Tensor,
+    n_rows: int,
+    *,
+    previous_lambda_min: float | None = None,
 ) -> tuple[float, str | None]:
     """``lambda_min(M_k) / lambda_min(S_{k-1})`` and why it is NaN (None when it is not).
 
@@ -158,6 +162,8 @@ def no_cancellation_margin(
             (:meth:`StreamingCrossMoment.moment`).
         previous_second_moment: ``S_{k-1}``, the uncentred second moment at ``p_{k-1}``.
         n_rows: row pairs behind ``M_k``; below ``2 d`` the margin is NaN.
+        previous_lambda_min: ``lambda_min(S_{k-1})`` when it is already known (a profile read
+            it: ``sigma_min(p_{k-1})^2``); None solves for it here.
 
     Returns:
         ``(margin, reason)``; ``reason`` is ``"insufficient_rows"``,
@@ -186,7 +192,9 @@ def no_cancellation_margin(
     if not bool(torch.isfinite(s).all()):
         return _NAN, "previous_point_unavailable"
     try:
-        low_m, low_s = float(symmetric_eigvalsh(m)[0]), float(symmetric_eigvalsh(s)[0])
+        low_m = float(symmetric_eigvalsh(m)[0])
+        known = previous_lambda_min is not None and math.isfinite(previous_lambda_min)
+        low_s = float(previous_lambda_min) if known else float(symmetric_eigvalsh(s)[0])
     except RuntimeError:
         return _NAN, "eigh_failed"
     if not low_s > 0:

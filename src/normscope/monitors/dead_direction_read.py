@@ -141,7 +141,13 @@ def read_profile(
         return profile
     margins = [math.nan]  # p_0: nothing before it
     for k, acc in enumerate(cross, start=1):
-        margins.append(no_cancellation_margin(acc.moment(), moments[k - 1], acc.count)[0])
+        # lambda_min(S_{k-1}) is p_{k-1}'s sigma_min squared: solved once, for both reads
+        before = profile.points[k - 1].sigma_min
+        known = before**2 if math.isfinite(before) and before > 0 else None
+        margin = no_cancellation_margin(
+            acc.moment(), moments[k - 1], acc.count, previous_lambda_min=known
+        )
+        margins.append(margin[0])
     return dataclasses.replace(profile, no_cancellation_margin=tuple(margins))
 
 
