@@ -112,7 +112,8 @@ class DeadDirectionMonitor(AsyncReads, AttachStream, MonitorCallback):
             a GPU) while training goes on; the read is published at the first optimiser step
             end after it is ready (under DDP: the next one), logged under its own step, and
             alerts and ``stop_on_alert`` act then. ``None``: on under a Lightning ``Trainer``
-            with a GPU or a CPU core left free by training's threads, off in plain loops
+            on a CUDA device; off on the CPU (no gain measured on a shared 2-core machine), in
+            plain loops, Fabric and the Hugging Face ``Trainer``, and under FSDP2
             (docs/monitors.md, "Asynchronous reads"). The numbers are those of a synchronous
             read, bit for bit.
 
