@@ -221,8 +221,15 @@ class MonitorCallback(Publishing, Handshake, CostGuard, Callback):
         if self.tracker is not None:
             self.tracker.gate.open = False
 
+    def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        self._detach()
+
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._detach()
+
     def _detach(self) -> None:
-        """Close the gate and remove the tracker's hooks (on a failure: see _disable)."""
+        """Close the gate and remove the tracker's hooks (at teardown, on an exception, and on
+        a failure: see _disable)."""
         if self.tracker is not None:
             self.tracker.gate.open = False
             self.tracker.detach()

@@ -305,20 +305,9 @@ class DeadDirectionMonitor(AsyncReads, AttachStream, MonitorCallback):
                 self._named(format_summary(self.last_report, self.reads, self.alerts_fired))
             )
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._stop_worker()
-        if self.tracker is not None:
-            self.tracker.detach()
-
-    def on_exception(
-        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
-    ) -> None:
-        self._stop_worker()  # the read in flight is dropped, the thread joined
-        if self.tracker is not None:
-            self.tracker.detach()
-
     def _detach(self) -> None:
-        self._stop_worker()  # disabled: no thread left behind (the hooks no longer run)
+        # teardown, on_exception (the read in flight dropped) or disabled: no thread left behind
+        self._stop_worker()
         super()._detach()
 
     # ------------------------------------------------------------ schedule

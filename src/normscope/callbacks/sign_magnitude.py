@@ -194,14 +194,6 @@ class SignMagnitudeMonitor(MonitorCallback):
         self._judge_cost(time.perf_counter() - started)
         self._clock(plain=False)
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._detach()
-
-    def on_exception(
-        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
-    ) -> None:
-        self._detach()
-
     def _read(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.tracker is not None
         if trainer.world_size > 1:
