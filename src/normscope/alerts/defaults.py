@@ -18,11 +18,13 @@ def default_dead_direction_rules(
     sources: bool = False,
     sigma_rule: SigmaMinRatioRule | None = None,
     kernel_rule: KernelLossRule | None = None,
+    kernel: bool = True,
 ) -> list[Any]:
     """The default rules of :class:`~normscope.callbacks.DeadDirectionMonitor`, in the order
     they are evaluated: a :class:`SigmaMinRatioRule` (``SigmaMinRatioRule()`` unless
-    ``sigma_rule``), then with ``sources`` a :class:`SourceCollapseRule` on it, then a
-    :class:`KernelLossRule` (``KernelLossRule()`` unless ``kernel_rule``).
+    ``sigma_rule``), a :class:`KernelLossRule` (``KernelLossRule()`` unless ``kernel_rule``;
+    none with ``kernel=False``), then with ``sources`` a :class:`SourceCollapseRule` on the
+    sigma rule. The monitor, ``normscope scan`` and ``normscope report`` all build theirs here.
 
     ``kinds`` maps norm paths to their declared kind (the kernel rule's ``kinds``);
     ``sublayers`` maps the residual points, in depth order, to their sublayer (the sigma and
@@ -34,18 +36,22 @@ def default_dead_direction_rules(
         >>> rules = default_dead_direction_rules({"ln_f": "layernorm"}, {"h.0": "attn"})
         >>> [r.name for r in rules]
         ['sigma_min_collapse', 'layernorm_kernel_lost']
+        >>> [r.name for r in default_dead_direction_rules({}, {}, sources=True, kernel=False)]
+        ['sigma_min_collapse', 'source_collapse']
         >>> [r.name for r in default_dead_direction_rules({}, None, sources=True)]
         ['layernorm_kernel_lost']
     """
-    kernel = kernel_rule if kernel_rule is not None else KernelLossRule()
-    kernel.kinds = dict(kinds)
-    rules: list[Any] = [kernel]
+    rules: list[Any] = []
+    sigma = sigma_rule if sigma_rule is not None else SigmaMinRatioRule()
     if sublayers is not None:
-        sigma = sigma_rule if sigma_rule is not None else SigmaMinRatioRule()
         sigma.sublayers = dict(sublayers)
-        rules.insert(0, sigma)
-        if sources:
-            by_source = SourceCollapseRule(sigma)
-            by_source.sublayers = sigma.sublayers
-            rules.insert(1, by_source)
+        rules.append(sigma)
+    if kernel:
+        by_kind = kernel_rule if kernel_rule is not None else KernelLossRule()
+        by_kind.kinds = dict(kinds)
+        rules.append(by_kind)
+    if sublayers is not None and sources:
+        by_source = SourceCollapseRule(sigma)
+        by_source.sublayers = sigma.sublayers
+        rules.append(by_source)
     return rules

@@ -18,6 +18,7 @@ from normscope.alerts import (
     SigmaMinRatioRule,
     SourceCollapseRule,
     build_sinks,
+    default_dead_direction_rules,
 )
 from normscope.callbacks._base import (
     MonitorCallback,
@@ -187,9 +188,6 @@ class DeadDirectionMonitor(AsyncReads, AttachStream, MonitorCallback):
         except ValueError as err:
             raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
         self.kernel_rule = KernelLossRule(kernel_residual_alert) if kernel_residual_alert else None
-        self.rules: list[AlertRule] = [self.sigma_rule]
-        if self.kernel_rule is not None:
-            self.rules.append(self.kernel_rule)
         if sources is not None and not (isinstance(sources, str) or callable(sources)):
             raise MisconfigurationException(
                 "DeadDirectionMonitor: sources must be fn(batch) -> str | labels per sample, or "
@@ -197,9 +195,18 @@ class DeadDirectionMonitor(AsyncReads, AttachStream, MonitorCallback):
             )
         self.sources = sources
         self.max_sources = max_sources
-        self.source_rule = SourceCollapseRule(self.sigma_rule) if sources is not None else None
-        if self.source_rule is not None:
-            self.rules.append(self.source_rule)
+        # sublayers and kinds are filled in once the model is attached (_after_attach)
+        self.rules: list[AlertRule] = default_dead_direction_rules(
+            {},
+            {},
+            sources=sources is not None,
+            sigma_rule=self.sigma_rule,
+            kernel_rule=self.kernel_rule,
+            kernel=self.kernel_rule is not None,
+        )
+        self.source_rule: SourceCollapseRule | None = next(
+            (r for r in self.rules if isinstance(r, SourceCollapseRule)), None
+        )
         self.rules.extend(rules)
         self.layers = layers if layers == "auto" else list(layers)
         self.residual = residual
