@@ -33,7 +33,6 @@ more: no norm-layer reads, no margin), which changes nothing the rule sees.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
@@ -41,7 +40,6 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +49,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from examples.data import ByteDataset, stdlib_text  # noqa: E402
+from alert_runs import Run, run_batches, simulate  # noqa: E402
+from examples.data import stdlib_text  # noqa: E402
 from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
-from normscope import DeadDirectionMonitor, scan_model  # noqa: E402
+from normscope import scan_model  # noqa: E402
 from normscope.alerts import SigmaMinRatioRule  # noqa: E402
 from normscope.functional.profile import ratio_bounds  # noqa: E402
-from normscope.integrations import Watch  # noqa: E402
 
 RULES = {
     "v1": lambda: SigmaMinRatioRule(tolerance=0.2, min_rows_per_dim=2, drop=None),  # raw ratios
@@ -67,118 +65,10 @@ RULES = {
 }
 
 
-@dataclass
-class Run:
-    kind: str  # "healthy" | "step" | "ramp"
-    width: int
-    norm: str
-    seed: int
-    strength: float = 0.0
-    switch_at: int | None = None
-    steps: int = 100
-    layers: int = 4
-    batch: int = 32
-    block: int = 64
-    schedules: list[tuple[int, int]] = field(default_factory=list)  # (every, max_rows)
-    cancel_block: int = 2
-
-    @property
-    def name(self) -> str:
-        s = f"{self.kind} w{self.width} {self.norm} seed {self.seed}"
-        return s + (f" s={self.strength} at {self.switch_at}" if self.kind != "healthy" else "")
-
-
 def _v1_view(metrics: dict[str, float]) -> dict[str, float]:
     """A read as version 1's rule saw it: the ratios alone (no intervals, no rows)."""
     drop = ("_lo", "_hi", "/rows_per_dim")
     return {k: v for k, v in metrics.items() if not k.endswith(drop)}
-
-
-def _profile_keys(metrics: dict[str, float]) -> dict[str, float]:
-    keep = ("/sigma_min_ratio", "/sigma_min_step", "_lo", "_hi", "/rows_per_dim", "/depth")
-    return {k: v for k, v in metrics.items() if k.startswith("dd/") and k.endswith(keep)}
-
-
-def _batches(data: torch.Tensor, run: Run, seed: int):
-    ds = ByteDataset(data, run.block, samples=10**6, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        idx = torch.randint(len(ds), (run.batch,), generator=g)
-        xs, ys = zip(*(ds[int(i)] for i in idx))
-        yield torch.stack(xs), torch.stack(ys)
-
-
-def _monitor(every: int, rows: int, per_dim: float, width: int, layers: int):
-    points = 2 * layers + 1
-    monitor = DeadDirectionMonitor(
-        every_n_steps=every,
-        max_rows_per_step=rows,
-        kernel_residual_alert=None,
-        alerts=(),
-        verbose=False,
-        overhead_warn=None,
-        max_memory=points * 8 * width * width,  # the profile, nothing else
-    )
-    monitor.sigma_rule.min_rows_per_dim = per_dim  # the window stays open until N/d >= per_dim
-    return monitor
-
-
-def simulate(run: Run, data: torch.Tensor) -> list[dict[str, Any]]:
-    """Train one run with its monitors attached; every read of every monitor, as records."""
-    torch.manual_seed(run.seed)
-    config = GPTConfig(n_layer=run.layers, n_embd=run.width, n_head=4, norm=run.norm)
-    model = GPT(config)
-    opt = make_optimizer(model, lr=1e-3, weight_decay=0.1)
-    mlp = model.transformer.h[min(run.cancel_block, run.layers - 1)].mlp
-    watches = {}
-    for every, rows in run.schedules:
-        watches[(every, rows, 4.0)] = Watch(
-            _monitor(every, rows, 4.0, run.width, run.layers), model
-        )
-        if rows < 4 * run.width:  # version 1 read at 2 d rows here
-            watches[(every, rows, 2.0)] = Watch(
-                _monitor(every, rows, 2.0, run.width, run.layers), model
-            )
-    records: list[dict[str, Any]] = []
-    batches = _batches(data, run, seed=run.seed)
-    for step in range(run.steps + 1):
-        if run.switch_at is not None and step >= run.switch_at:
-            if run.kind == "ramp":
-                mlp.set_cancel(min(0.95, 0.95 * (step - run.switch_at + 1) / 40))
-            else:
-                mlp.set_cancel(run.strength)
-        x, y = next(batches)
-        with contextlib.ExitStack() as stack:
-            results = {k: stack.enter_context(w.step((x, y))) for k, w in watches.items()}
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for (every, rows, per_dim), result in results.items():
-            if result.report is None:
-                continue
-            records.append(
-                {
-                    "run": run.name,
-                    "kind": run.kind,
-                    "width": run.width,
-                    "norm": run.norm,
-                    "seed": run.seed,
-                    "strength": run.strength,
-                    "switch_at": run.switch_at,
-                    "every": every,
-                    "max_rows": rows,
-                    "per_dim": per_dim,
-                    "step": step,
-                    "cancel": mlp.cancel,
-                    "block": run.cancel_block,
-                    "layers": run.layers,
-                    "metrics": _profile_keys(result.report.as_dict()),
-                }
-            )
-    for w in watches.values():
-        w.close()
-    return records
 
 
 def _block_point(metrics: dict[str, float], block: int, layers: int) -> str | None:
@@ -331,14 +221,14 @@ def errors(quick: bool) -> list[list[str]]:
             run = Run("healthy", width, norm, 0)
             if stage == "trained":  # 100 steps (10 with --quick) of the sweep's training
                 opt = make_optimizer(model, lr=1e-3, weight_decay=0.1)
-                train = _batches(data, run, seed=0)
+                train = run_batches(data, run, seed=0)
                 for _ in range(10 if quick else 100):
                     x, y = next(train)
                     model(x, y)[1].backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
             model.eval()
-            gen = _batches(data, run, seed=7)
+            gen = run_batches(data, run, seed=7)
             ref_batches = [next(gen)[0] for _ in range(8 if quick else 48)]
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
