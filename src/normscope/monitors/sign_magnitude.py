@@ -36,20 +36,19 @@ from normscope.monitors.probes import ProbeReads
 from normscope.taps.hooks import Gate, in_backward_recompute
 from normscope.taps.norms import find_norm_layers
 from normscope.taps.residual import tap_input
+from normscope.taps.stacks import longest_stack, same_class_stacks
 
 __all__ = ["SignMagnitudeReport", "SignMagnitudeTracker", "find_block_linears"]
 
 FAMILY = "sm"
 
 
-def _block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The longest ``nn.ModuleList`` whose children share one class: the transformer's blocks."""
-    best: tuple[str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best[1])):
-                best = (name, module)
-    return best
+def _block_stack(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The longest ``nn.ModuleList`` whose children share one class: the transformer's blocks.
+
+    ModuleList only (an ``nn.Sequential`` stack would change which Linears are monitored), and
+    a list of ModuleLists/ModuleDicts still counts (``exclude_children=()``), as it always has."""
+    return longest_stack(same_class_stacks(model, kinds=(nn.ModuleList,), exclude_children=()))
 
 
 def find_block_linears(model: nn.Module) -> list[str]:

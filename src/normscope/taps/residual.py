@@ -42,6 +42,7 @@ from normscope.taps.layout_builder import _layout
 from normscope.taps.norms import NormLayer, find_norm_layers
 from normscope.taps.residual_layout import ResidualDiscoveryError, ResidualLayout, ResidualPoint
 from normscope.taps.stack_trace import _StackTrace
+from normscope.taps.stacks import same_class_stacks
 
 __all__ = [
     "ResidualDiscovery",
@@ -57,16 +58,8 @@ __all__ = [
 def _candidate_stacks(model: nn.Module, norm_ids: set[int]) -> list[_StackTrace]:
     """Every ModuleList/Sequential of same-class modules; those holding norms, if any do."""
     found = []
-    for path, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) == 0:
-            continue
-        children = list(mod.named_children())
-        cls = type(children[0][1])
-        if issubclass(cls, (nn.ModuleList, nn.ModuleDict)) or any(
-            type(c) is not cls for _, c in children
-        ):
-            continue
-        blocks = [(f"{path}.{n}" if path else n, c) for n, c in children]
+    for path, mod in same_class_stacks(model):
+        blocks = [(f"{path}.{n}" if path else n, c) for n, c in mod.named_children()]
         norms_inside = sum(id(m) in norm_ids for _, c in blocks for m in c.modules())
         found.append(_StackTrace(path, blocks, norms_inside))
     if any(t.has_norms for t in found):
