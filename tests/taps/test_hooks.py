@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from normscope.functional.moments import DiagonalMoment
 from normscope.taps.hooks import Gate, TapSet, in_backward_recompute
 
 
@@ -124,3 +125,46 @@ def test_keyword_inputs_are_tapped() -> None:
     with taps.gate.sampling():
         model(torch.randn(3, 8))
     assert tap.accumulator.count == 3
+
+
+def test_a_removed_set_hooks_again_when_its_taps_are_added_again() -> None:
+    # a monitor detached at the end of one fit and attached for the next must read again
+    model = _model()
+    taps = TapSet(model, Gate())
+    tap = taps.add("1", "output", dim=8)
+    taps.remove()
+    assert taps.add("1", "output", dim=8) is tap  # the same accumulator, hooked again
+    with taps.gate.sampling():
+        model(torch.randn(4, 4))
+    assert tap.accumulator.count == 4
+    taps.add("1", "output", dim=8)  # already hooked: not twice
+    with taps.gate.sampling():
+        model(torch.randn(4, 4))
+    assert tap.accumulator.count == 8
+
+
+def test_make_builds_another_accumulator_and_on_fail_takes_the_warning() -> None:
+    model = _model()
+    failures: list[tuple[str, str]] = []
+    taps = TapSet(
+        model, Gate(), on_fail=lambda tap, reason: failures.append((tap.module_name, reason))
+    )
+    diag = taps.add("2", "input", dim=8, make=DiagonalMoment)
+    bad = taps.add("1", "input", dim=5, make=DiagonalMoment)
+    assert isinstance(diag.accumulator, DiagonalMoment)
+    assert taps.memory_bytes() == diag.accumulator.memory_bytes() + bad.accumulator.memory_bytes()
+    x = torch.randn(3, 6, 4)
+    mask = torch.ones(3, 6)
+    mask[1, :2] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # on_fail given: the set itself does not warn
+        with taps.gate.sampling(mask):
+            model(x)
+    assert failures == [("1", failures[0][1])] and "width 5" in failures[0][1]
+    assert bad.failed is not None and diag.failed is None
+    kept = model[1](model[0](x)).detach().double()[mask.bool()].numpy()
+    assert diag.accumulator.count == 16
+    # sums of squares in float64 against numpy's: only the summation order differs
+    np.testing.assert_allclose(
+        diag.accumulator.second_moment_diagonal().numpy(), (kept**2).mean(0), rtol=1e-13, atol=0
+    )

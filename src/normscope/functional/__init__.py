@@ -18,6 +18,7 @@ from normscope.functional.dead_direction import (
     rows_comparable,
     schur_quotient,
 )
+from normscope.functional.moments import DiagonalMoment
 from normscope.functional.profile import (
     ProfilePoint,
     SigmaMinProfile,
@@ -25,7 +26,7 @@ from normscope.functional.profile import (
     sigma_min_profile,
 )
 
-__all__ = ["StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
+__all__ = ["DiagonalMoment", "StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
 __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "kernel_read"]
 __all__ += ["predicted_kernel", "rmsnorm_alignment_max", "rows_comparable", "schur_quotient"]
 __all__ += ["StreamingCrossMoment", "no_cancellation_margin"]

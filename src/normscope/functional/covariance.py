@@ -318,6 +318,10 @@ class StreamingCovariance:
         self._generator = None
         return self
 
+    def memory_bytes(self) -> int:
+        """Bytes of the co-moment, the state that counts: ``8 d^2`` (the mean adds ``8 d``)."""
+        return 8 * self.dim * self.dim
+
     def _gen(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device)

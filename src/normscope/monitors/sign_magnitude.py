@@ -4,9 +4,11 @@
 
 * **parameter reads** (every monitored Linear, at each read): sign and ternary alignment,
   ternary sparsity, sign churn since the previous read;
-* **outlier reads** (hooks on the same Linears' inputs, folded on sampled steps like the
-  dead-direction taps): the per-channel second moment ``E[x_j^2]`` in float64 (``n`` numbers,
-  not ``n^2``), from which ``max_leverage`` and ``outlier_leverage`` follow;
+* **outlier reads** (taps on the same Linears' inputs, on the shared tap layer
+  :class:`~normscope.taps.hooks.TapSet` that the dead-direction family uses, folded on sampled
+  steps): the per-channel second moment ``E[x_j^2]`` in float64 (a
+  :class:`~normscope.functional.moments.DiagonalMoment`: ``n`` numbers, not ``n^2``), from which
+  ``max_leverage`` and ``outlier_leverage`` follow;
 * **probe reads** (a few layers, on a fixed probe batch): each perturbation of docs/metrics.md §2.3 is
   applied to the weight in place, the next normaliser's input is captured, and the weight is
   restored **bit-exactly** from a saved copy. Everything runs under ``no_grad`` in eval mode;
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from normscope._common import warn_disabled
+from normscope.functional.moments import DiagonalMoment
 from normscope.functional.sign_magnitude import (
     OutlierRead,
     ProbeRead,
@@ -33,9 +36,8 @@ from normscope.functional.sign_magnitude import (
 )
 from normscope.monitors.dead_direction import key_path
 from normscope.monitors.probes import ProbeReads
-from normscope.taps.hooks import Gate, in_backward_recompute
+from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import find_norm_layers
-from normscope.taps.residual import tap_input
 from normscope.taps.stacks import longest_stack, same_class_stacks
 
 __all__ = ["SignMagnitudeReport", "SignMagnitudeTracker", "find_block_linears"]
@@ -126,31 +128,6 @@ class SignMagnitudeReport:
         return out
 
 
-class _DiagonalMoment:
-    """Float64 running sum of ``x_j^2`` per channel and the row count: ``E[x_j^2]``."""
-
-    def __init__(self, dim: int, device: torch.device) -> None:
-        self.dim = dim
-        self.sum_sq = torch.zeros(dim, dtype=torch.float64, device=device)
-        self.n = torch.zeros((), dtype=torch.float64, device=device)
-
-    def update(self, x: torch.Tensor) -> None:
-        rows = x.detach().reshape(-1, self.dim).to(self.sum_sq.device, torch.float64)
-        finite = torch.isfinite(rows.sum(dim=1))
-        rows = torch.where(
-            finite[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)
-        )
-        self.sum_sq += rows.square().sum(dim=0)
-        self.n += finite.sum()
-
-    def second_moment_diagonal(self) -> torch.Tensor:
-        return self.sum_sq / self.n.clamp_min(1)
-
-    def reset(self) -> None:
-        self.sum_sq.zero_()
-        self.n.zero_()
-
-
 class SignMagnitudeTracker(ProbeReads):
     """Hooks and reads of the sign–magnitude family, for any PyTorch loop.
 
@@ -210,62 +187,37 @@ class SignMagnitudeTracker(ProbeReads):
         self.flip_rate = flip_rate
         self.seed = seed
         self.gate = Gate()
+        # the outlier taps: each monitored Linear's input, folded into a DiagonalMoment
+        self.taps = TapSet(model, self.gate, on_fail=self._tap_failed)
         self.prev_signs: dict[str, torch.Tensor] = {}
-        self._moments: dict[str, _DiagonalMoment] = {}
-        self._handles: list[Any] = []
         self.failed: dict[str, str] = {}
         self._norm_modules = [n.module for n in find_norm_layers_or_empty(model)]
         self.attached = False
 
     # ------------------------------------------------------------------ hooks
     def attach(self) -> None:
+        """Register the outlier taps (the input of every monitored Linear), once."""
         if self.attached:
             return
         for name in self.layers:
             module = self.model.get_submodule(name)
-            self._moments[name] = _DiagonalMoment(module.in_features, module.weight.device)
-            self._handles.append(
-                module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
-            )
+            self.taps.add(name, "input", module.in_features, make=DiagonalMoment)
         self.attached = True
 
-    def _hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self.gate.open or name in self.failed:
-                return None
-            self._fold(name, args, kwargs)
-            return None
+    def _moment(self, name: str) -> DiagonalMoment | None:
+        tap = self.taps.taps.get((name, "input"))
+        return tap.accumulator if tap is not None else None
 
-        return hook
-
-    # As in normscope.taps.hooks: under torch.compile the gate check is traced and the float64
-    # fold runs eagerly, outside the graph.
-    @torch.compiler.disable
-    def _fold(self, name: str, args: tuple, kwargs: dict) -> None:
-        if in_backward_recompute():
-            return
-        try:
-            x = tap_input(args, kwargs)
-            if x is not None:
-                moment = self._moments[name]
-                if x.shape[-1] != moment.dim:
-                    raise ValueError(
-                        f"expected an input of width {moment.dim}, got {tuple(x.shape)}"
-                    )
-                moment.update(x)
-        except Exception as err:  # never break the forward
-            self._fail(name, f"the outlier tap on the input of {name!r}", err)
-            self._moments[name].reset()  # a half-filled window would read as a whole one
+    def _tap_failed(self, tap: Tap, reason: str) -> None:
+        # the shared tap layer has disabled the tap and reset its window; the warning is ours
+        self._fail(tap.module_name, f"the outlier tap on the input of {tap.module_name!r}", reason)
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self.taps.remove()
         self.attached = False
 
     def reset(self) -> None:
-        for moment in self._moments.values():
-            moment.reset()
+        self.taps.reset()
 
     def reduce_moments(self, group: Any = None) -> None:
         """Sum ``[n, sum x_j^2]`` of every layer over the processes, in one all-reduce (the
@@ -274,7 +226,8 @@ class SignMagnitudeTracker(ProbeReads):
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
-        moments = [self._moments[name] for name in sorted(self._moments)]  # same order everywhere
+        taps = sorted(self.taps.taps.values(), key=lambda t: t.module_name)  # one order everywhere
+        moments = [t.accumulator for t in taps]
         if not moments:
             return
         flat = torch.cat([torch.cat([m.n.reshape(1), m.sum_sq]) for m in moments])
@@ -307,7 +260,7 @@ class SignMagnitudeTracker(ProbeReads):
                     self.prev_signs[name] = torch.sign(w).to(torch.int8)
                 except Exception as err:  # noqa: BLE001 - that layer only
                     self._fail(f"{name}:weight", f"the weight read of {name!r}", err)
-            moment = self._moments.get(name)
+            moment = self._moment(name)
             if name in self.failed or moment is None:
                 continue
             try:
@@ -319,12 +272,17 @@ class SignMagnitudeTracker(ProbeReads):
         self.reset()
         return SignMagnitudeReport(step, weights, outliers, probes, dict(self.failed))
 
-    def _fail(self, key: str, what: str, err: BaseException) -> None:
-        """Disable one layer's read (``key``) for the rest of the run, warning once."""
+    def _fail(self, key: str, what: str, err: BaseException | str) -> None:
+        """Disable one layer's read (``key``) for the rest of the run, warning once. A layer
+        whose outlier read failed stops folding too."""
         if key in self.failed:
             return
-        self.failed[key] = f"{type(err).__name__}: {err}"
-        warn_disabled(what, self.failed[key], stacklevel=3)
+        reason = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        self.failed[key] = reason
+        tap = self.taps.taps.get((key, "input"))
+        if tap is not None and tap.failed is None:
+            tap.failed = reason
+        warn_disabled(what, reason, stacklevel=3)
 
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:

@@ -1,5 +1,7 @@
-"""Finding layers: norm adapters (``norms``) and residual-stream points (``residual``)."""
+"""Finding layers and hooking them: norm adapters (``norms``), residual-stream points
+(``residual``), the block stack (``stacks``), and the gated hooks of both families (``hooks``)."""
 
+from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import (
     NormDiscovery,
     NormDiscoveryError,
@@ -20,8 +22,10 @@ from normscope.taps.residual import (
     tap_input,
     tap_output,
 )
+from normscope.taps.stacks import same_class_stacks
 
 __all__ = [
+    "Gate",
     "NormDiscovery",
     "NormDiscoveryError",
     "NormLayer",
@@ -29,10 +33,13 @@ __all__ = [
     "ResidualDiscoveryError",
     "ResidualLayout",
     "ResidualPoint",
+    "Tap",
+    "TapSet",
     "UnrecognisedNorm",
     "discover_norm_layers",
     "find_norm_layers",
     "find_residual_points",
+    "same_class_stacks",
     "full_tensor_float64",
     "register_norm_adapter",
     "tap_input",

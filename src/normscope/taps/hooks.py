@@ -7,11 +7,13 @@ torch.compile needs exactly this: hooks fixed before compiling, never added or r
 Under compile the gate check is traced (dynamo guards on it: one graph with the gate open, one
 closed, both cached) and the fold itself is excluded from the graph (``torch.compiler.disable``).
 
-On a sampled forward a hook folds its tensor's rows into a :class:`StreamingCovariance` on the
+On a sampled forward a hook folds its tensor's rows into its accumulator (a
+:class:`StreamingCovariance` unless the tap was added with another, such as the sign–magnitude
+family's :class:`~normscope.functional.moments.DiagonalMoment`: see :class:`Accumulator`) on the
 tensor's own device, with the batch's padding mask when the caller supplied one
 (:meth:`Gate.sampling`). A forward re-run by activation checkpointing (inside backward) is
-skipped, so no row is counted twice. If a hook raises, it warns once naming the tap, disables
-that tap alone, and training goes on. The residual points' taps fold through a
+skipped, so no row is counted twice. If a hook raises, it disables that module's taps alone, warns
+once naming it (or hands the failure to the set's ``on_fail``), and training goes on. The residual points' taps fold through a
 :class:`~normscope.taps.chain.PointChain` (:meth:`TapSet.chain_points`): one row subset per
 forward for all of them, and the cross-moments between neighbours.
 """
@@ -20,9 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,7 +32,15 @@ from torch import nn
 from normscope.functional.covariance import StreamingCovariance
 from normscope.taps.chain import PointChain
 
-__all__ = ["Gate", "Tap", "TapSet", "in_backward_recompute", "tap_input", "tap_output"]
+__all__ = [
+    "Accumulator",
+    "Gate",
+    "Tap",
+    "TapSet",
+    "in_backward_recompute",
+    "tap_input",
+    "tap_output",
+]
 
 
 def tap_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -88,6 +98,22 @@ class Gate:
             self.open, self.mask, self.sources = previous
 
 
+class Accumulator(Protocol):
+    """What a tap folds its rows into: :class:`StreamingCovariance`, or
+    :class:`~normscope.functional.moments.DiagonalMoment`, or anything with these members."""
+
+    dim: int
+    device: torch.device
+
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def to(self, device: torch.device | str) -> Any: ...
+
+    def memory_bytes(self) -> int: ...
+
+
 @dataclass
 class Tap:
     """One tapped tensor: the input or output of one module, and its accumulator."""
@@ -95,7 +121,7 @@ class Tap:
     module_name: str
     where: str  # "input" | "output"
     dim: int
-    accumulator: StreamingCovariance
+    accumulator: Any  # an Accumulator; StreamingCovariance unless TapSet.add(make=...)
     failed: str | None = None
     seen_shapes: set[tuple[int, ...]] = field(default_factory=set)
 
@@ -112,6 +138,8 @@ class TapSet:
         gate: the shared :class:`Gate`; hooks do nothing while it is closed.
         max_rows: rows kept per tap per forward (uniform, seeded); ``None`` keeps all.
         seed: seed of the row subsampling.
+        on_fail: called as ``on_fail(tap, reason)`` when a tap fails (after its module's taps
+            are disabled and reset) instead of the set's own warning; the caller warns.
 
     Example::
 
@@ -135,37 +163,53 @@ class TapSet:
         *,
         max_rows: int | None = None,
         seed: int = 0,
+        on_fail: Callable[[Tap, str], None] | None = None,
     ) -> None:
         self.model = model
         self.gate = gate if gate is not None else Gate()
         self.max_rows = max_rows
         self.seed = seed
+        self.on_fail = on_fail
         self.taps: dict[tuple[str, str], Tap] = {}
-        self._handles: list[Any] = []
+        self._handles: dict[tuple[str, str], Any] = {}
         self.chain: PointChain | None = None  # the residual points: same rows, cross-moments
 
-    def add(self, module_name: str, where: str, dim: int) -> Tap:
-        """Tap the input (``where="input"``) or output of ``module_name``; idempotent per key."""
+    def add(
+        self,
+        module_name: str,
+        where: str,
+        dim: int,
+        *,
+        make: Callable[[int, torch.device], Accumulator] | None = None,
+    ) -> Tap:
+        """Tap the input (``where="input"``) or output of ``module_name``; idempotent per key
+        (after :meth:`remove`, adding a key again registers its hook again, same accumulator).
+
+        ``make(dim, device)`` builds the tap's accumulator; default a :class:`StreamingCovariance`
+        with this set's ``max_rows`` and a seed of its own."""
         if where not in ("input", "output"):
             raise ValueError(f"TapSet.add: where must be 'input' or 'output', got {where!r}")
         key = (module_name, where)
-        if key in self.taps:
-            return self.taps[key]
         module = self.model.get_submodule(module_name)
-        # Accumulators are created now, on the module's parameter device, so that every rank of
-        # a distributed run holds the same set of them (a collective over a set that differs
-        # between ranks would hang). They follow the activations if those live elsewhere.
-        device = _module_device(module, self.model)
-        acc = StreamingCovariance(
-            dim, device=device, max_rows=self.max_rows, seed=self.seed + len(self.taps)
-        )
-        tap = Tap(module_name, where, dim, acc)
-        if where == "input":
-            handle = module.register_forward_pre_hook(self._pre_hook(tap), with_kwargs=True)
-        else:
-            handle = module.register_forward_hook(self._post_hook(tap))
-        self.taps[key] = tap
-        self._handles.append(handle)
+        tap = self.taps.get(key)
+        if tap is None:
+            # Accumulators are created now, on the module's parameter device, so that every rank
+            # of a distributed run holds the same set of them (a collective over a set that
+            # differs between ranks would hang). They follow the activations if those move.
+            device = _module_device(module, self.model)
+            if make is None:
+                acc = StreamingCovariance(
+                    dim, device=device, max_rows=self.max_rows, seed=self.seed + len(self.taps)
+                )
+            else:
+                acc = make(dim, device)
+            tap = self.taps[key] = Tap(module_name, where, dim, acc)
+        if key not in self._handles:
+            if where == "input":
+                handle = module.register_forward_pre_hook(self._pre_hook(tap), with_kwargs=True)
+            else:
+                handle = module.register_forward_hook(self._post_hook(tap))
+            self._handles[key] = handle
         return tap
 
     def chain_points(
@@ -243,6 +287,9 @@ class TapSet:
                 t.accumulator.reset()  # a half-filled window would be read as if it were whole
             except Exception:  # noqa: BLE001 - still fail open
                 pass
+        if self.on_fail is not None:
+            self.on_fail(tap, reason)
+            return
         where = " and ".join(sorted({t.where for t in siblings}))
         warnings.warn(
             f"normscope: tap on the {where} of {tap.module_name!r} failed and is disabled "
@@ -259,8 +306,9 @@ class TapSet:
             self.chain.reset()
 
     def remove(self) -> None:
-        """Remove every hook this set registered (the accumulators stay readable)."""
-        for handle in self._handles:
+        """Remove every hook this set registered (the accumulators stay readable; :meth:`add`
+        registers a key's hook again)."""
+        for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
 
@@ -268,10 +316,10 @@ class TapSet:
         return len(self.taps)
 
     def memory_bytes(self) -> int:
-        """Bytes held by the accumulators' co-moments and the chain's cross-moments
-        (``8 d^2`` each)."""
+        """Bytes held by the accumulators (a covariance's co-moment: ``8 d^2``) and the chain's
+        cross-moments (``8 d^2`` each)."""
         chain = self.chain.memory_bytes() if self.chain is not None else 0
-        return sum(8 * t.dim * t.dim for t in self.taps.values()) + chain
+        return sum(t.accumulator.memory_bytes() for t in self.taps.values()) + chain
 
 
 def _module_device(module: nn.Module, model: nn.Module) -> torch.device:
