@@ -5,6 +5,8 @@ Example::
 
     >>> fmt(0.012345), fmt(float("nan")), fmt(None), fmt(3.0, ".2f")
     ('0.01235', 'nan', 'nan', '3.00')
+    >>> fmt(float("inf")), fmt(float("inf"), finite=True)
+    ('inf', 'nan')
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import warnings
 from typing import Any
 
-__all__ = ["NormscopeError", "fmt", "fmt_bytes", "warn_disabled"]
+__all__ = ["NormscopeError", "disabled_message", "fmt", "fmt_bytes", "warn_disabled"]
 
 
 class NormscopeError(Exception):
@@ -25,9 +27,12 @@ class NormscopeError(Exception):
     """
 
 
-def fmt(value: Any, spec: str = ".4g") -> str:
-    """``value`` formatted with ``spec``; ``"nan"`` for None or NaN (a read that has no value)."""
+def fmt(value: Any, spec: str = ".4g", *, finite: bool = False) -> str:
+    """``value`` formatted with ``spec``; ``"nan"`` for None or NaN (a read that has no value),
+    and with ``finite=True`` for +-Inf as well (``normscope report``'s tables)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "nan"
+    if finite and isinstance(value, float) and math.isinf(value):
         return "nan"
     return format(value, spec)
 
@@ -41,12 +46,28 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def warn_disabled(what: str, reason: str, *, stacklevel: int = 3) -> None:
+def disabled_message(what: str, reason: str, goes_on: str = "the other reads go on") -> str:
+    """The one text of "this part failed and is off": ``what`` failed, for how long, what still
+    runs (``goes_on``) and why (``reason``)."""
+    return f"normscope: {what} failed and is disabled for the rest of the run; {goes_on} ({reason})"
+
+
+def warn_disabled(
+    what: str, reason: str, *, goes_on: str = "the other reads go on", stacklevel: int = 3
+) -> None:
     """Warn (once per part: the caller remembers) that ``what`` failed with ``reason`` and is
-    off for the rest of the run while everything else goes on."""
+    off for the rest of the run while everything else (``goes_on``) goes on.
+
+    Example::
+
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_disabled("the probe of 'h.0.fc'", "ValueError: width 3")
+        >>> str(caught[0].message)  # doctest: +NORMALIZE_WHITESPACE
+        "normscope: the probe of 'h.0.fc' failed and is disabled for the rest of the run; the
+        other reads go on (ValueError: width 3)"
+    """
     warnings.warn(
-        f"normscope: {what} failed and is disabled for the rest of the run; the other reads go "
-        f"on ({reason})",
-        RuntimeWarning,
-        stacklevel=stacklevel + 1,
+        disabled_message(what, reason, goes_on), RuntimeWarning, stacklevel=stacklevel + 1
     )

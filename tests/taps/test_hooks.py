@@ -90,7 +90,7 @@ def test_a_failing_tap_disables_its_module_only_and_warns_once() -> None:
         with taps.gate.sampling():
             model(torch.randn(4, 4))
             model(torch.randn(4, 4))
-    msgs = [str(w.message) for w in caught if "normscope: tap" in str(w.message)]
+    msgs = [str(w.message) for w in caught if "normscope: the tap" in str(w.message)]
     assert len(msgs) == 1 and "'1'" in msgs[0] and "width 5" in msgs[0]
     # both taps of the module are off and their partial windows dropped; the next layer is read
     assert bad_in.failed and bad_out.failed and bad_out.accumulator.count == 0

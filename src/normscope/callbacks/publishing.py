@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from normscope._common import disabled_message
 from normscope.callbacks.wandb_extras import define_summaries
 from normscope.integrations.layers import select_layers
 from normscope.monitors.names import named_key, named_metrics
@@ -101,9 +102,11 @@ class Publishing:
                 self._failed_rules.add(id(rule))
                 self._warn_once(
                     f"rule:{id(rule)}",
-                    f"normscope: alert rule {getattr(rule, 'name', type(rule).__name__)!r} "
-                    f"failed and is disabled; {monitor} and its other rules go on "
-                    f"({type(err).__name__}: {err})",
+                    disabled_message(
+                        f"alert rule {getattr(rule, 'name', type(rule).__name__)!r}",
+                        f"{type(err).__name__}: {err}",
+                        goes_on=f"{monitor} and its other rules go on",
+                    ),
                 )
         fired = [self._own_alert(a) for a in fired]
         self.alerts_fired.extend(fired)

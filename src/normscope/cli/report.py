@@ -18,11 +18,13 @@ declared kind (from ``norm_class`` and ``kind_mismatch``).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from normscope._common import fmt
 from normscope.alerts import SourceCollapseRule, default_dead_direction_rules
 from normscope.cli import render, run_plots
 from normscope.cli.errors import CLIError
@@ -175,21 +177,13 @@ def source_rows(
         for s in sources:
             rows_s = v.get(f"dd.{s}/n_rows")
             cells.append(
-                f"{_f(v.get(f'dd.{s}/sigma_min_ratio_min'), '.4g')} "
-                f"({_f(rows_s, '.0f') if rows_s is not None else '-'})"
+                f"{fmt(v.get(f'dd.{s}/sigma_min_ratio_min'), '.4g', finite=True)} "
+                f"({fmt(rows_s, '.0f', finite=True) if rows_s is not None else '-'})"
             )
         collapses = classify_collapses(v)
         cells += [collapses[0].kind, collapses[0].point] if collapses else ["none", "-"]
         rows.append(cells)
     return head, rows
-
-
-def _f(value: Any, spec: str) -> str:
-    return (
-        "nan"
-        if value is None or (isinstance(value, float) and not math.isfinite(value))
-        else format(value, spec)
-    )
 
 
 def _summary_rows(
@@ -200,11 +194,12 @@ def _summary_rows(
         ratios = {p: v.get(f"dd/{p}/sigma_min_ratio", math.nan) for p in points[1:]}
         ratios = {p: r for p, r in ratios.items() if math.isfinite(r)}
         worst = min(ratios, key=ratios.get) if ratios else "-"
+        cell = functools.partial(fmt, finite=True)
         rows.append(
             [
-                f"{step:g}", _f(v.get("dd/sigma_min_ratio_min"), ".4g"),
-                _f(v.get("dd/sigma_min_step_min"), ".4g"), worst,
-                _f(v.get("dd/gamma_alignment_min"), ".6f"), "ALERT" if step in alert_steps else "",
+                f"{step:g}", cell(v.get("dd/sigma_min_ratio_min"), ".4g"),
+                cell(v.get("dd/sigma_min_step_min"), ".4g"), worst,
+                cell(v.get("dd/gamma_alignment_min"), ".6f"), "ALERT" if step in alert_steps else "",
             ]
         )  # fmt: skip
     return rows

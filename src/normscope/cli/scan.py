@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normscope._common import fmt
 from normscope.cli import render
 from normscope.cli.data import TokenData, make_batches
 from normscope.cli.errors import CLIError
@@ -234,10 +235,6 @@ def _gammas(model: nn.Module, names: list[str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ the table
-def _f(value: Any, spec: str) -> str:
-    return "nan" if value is None else format(value, spec)
-
-
 def format_scan_table(result: dict[str, Any]) -> str:
     """The printed scan: a header, one row per norm layer, the sigma_min depth profile, the
     summary and any alert."""
@@ -252,9 +249,9 @@ def format_scan_table(result: dict[str, Any]) -> str:
     ]
     rows = [
         [
-            n["name"], n["kind"], _f(n["gamma_spread"], ".3f"), str(n["dead_channels"]),
-            _f(n["gamma_alignment"], ".6f"), _f(n["kernel_residual"], ".1e"), n["norm_class"],
-            _f(n["delta_gamma"], ".4f"), _f(n["deepening"], ".3g"),
+            n["name"], n["kind"], fmt(n["gamma_spread"], ".3f"), str(n["dead_channels"]),
+            fmt(n["gamma_alignment"], ".6f"), fmt(n["kernel_residual"], ".1e"), n["norm_class"],
+            fmt(n["delta_gamma"], ".4f"), fmt(n["deepening"], ".3g"),
         ]
         for n in result["norms"]
     ]  # fmt: skip
@@ -269,9 +266,9 @@ def format_scan_table(result: dict[str, Any]) -> str:
     s = result["summary"]
     lines += [
         "",
-        f"sigma_min_ratio_min {_f(s['sigma_min_ratio_min'], '.4g')} at {s['worst_point']}; "
-        f"sigma_min_step_min {_f(s['sigma_min_step_min'], '.4g')}; "
-        f"gamma_alignment_min (LayerNorm) {_f(s['gamma_alignment_min'], '.6f')}",
+        f"sigma_min_ratio_min {fmt(s['sigma_min_ratio_min'], '.4g')} at {s['worst_point']}; "
+        f"sigma_min_step_min {fmt(s['sigma_min_step_min'], '.4g')}; "
+        f"gamma_alignment_min (LayerNorm) {fmt(s['gamma_alignment_min'], '.6f')}",
     ]
     lines += render.source_lines(result)
     if result["alerts"]:

@@ -15,12 +15,12 @@ the tap's own ``accumulator.update``, for the taps of the chain.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 from einops import rearrange
 
+from normscope._common import warn_disabled
 from normscope.functional.cancellation import StreamingCrossMoment
 
 __all__ = ["PointChain"]
@@ -118,10 +118,10 @@ class PointChain:
                 split.fold(k, rows, keep, codes, sources)
             except Exception as err:  # noqa: BLE001 - the per-source reads only
                 split.failed = f"{type(err).__name__}: {err}"
-                warnings.warn(
-                    f"normscope: the per-source accumulators failed and are disabled for the "
-                    f"rest of the run; the pooled reads go on ({type(err).__name__}: {err})",
-                    RuntimeWarning,
+                warn_disabled(
+                    "the per-source accumulation",
+                    split.failed,
+                    goes_on="the pooled reads go on",
                     stacklevel=4,
                 )
         if self.cross and self.cross_failed is None:
@@ -158,10 +158,10 @@ class PointChain:
     def _fail_cross(self, reason: str) -> None:
         self.cross_failed = reason
         self._stash = None
-        warnings.warn(
-            f"normscope: the no-cancellation cross-moments failed and are disabled for the rest "
-            f"of the run; sigma_min and the other reads go on ({reason})",
-            RuntimeWarning,
+        warn_disabled(
+            "the accumulation of the no-cancellation cross-moments",
+            reason,
+            goes_on="sigma_min and the other reads go on",
             stacklevel=4,
         )
 

@@ -21,7 +21,6 @@ forward for all of them, and the cross-moments between neighbours.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from normscope._common import warn_disabled
 from normscope.functional.covariance import StreamingCovariance
 from normscope.taps.chain import PointChain
 
@@ -291,10 +291,10 @@ class TapSet:
             self.on_fail(tap, reason)
             return
         where = " and ".join(sorted({t.where for t in siblings}))
-        warnings.warn(
-            f"normscope: tap on the {where} of {tap.module_name!r} failed and is disabled "
-            f"for the rest of the run; the other layers are still read ({reason})",
-            RuntimeWarning,
+        warn_disabled(
+            f"the tap on the {where} of {tap.module_name!r}",
+            reason,
+            goes_on="the other layers are still read",
             stacklevel=3,
         )
 
