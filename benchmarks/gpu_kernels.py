@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from _common import markdown_table, median_time
 from gpu_common import ACCURACY_TOL, EIGEN_TOL, Clock, Sizes, fmt_mib, peak_since, reset_peak
-from read_cost import every_for, model_read_cost, test_matrix
+from read_cost import PRIMITIVES, every_for, model_read_cost, test_matrix
 
 from normscope.functional import (
     StreamingCovariance,
@@ -155,15 +155,7 @@ def table_accumulate(rows: list[dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------------ part 2
-PRIMS = (
-    "symmetric_eigh",
-    "eigvalsh",
-    "kernel_read",
-    "kernel_read_fast",
-    "schur_quotient",
-    "sigma_min",
-    "sigma_min_fast",
-)
+PRIMS = PRIMITIVES  # the solves read_cost.py times on the CPU, in its order
 FAST_TOL = 1e-10  # the fast solvers against the dense route, as tests/functional/test_solvers.py
 
 
