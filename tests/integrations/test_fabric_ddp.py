@@ -6,11 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,31 +14,21 @@ from normscope import scan_model
 from normscope.runs import read_csv_run
 from tests.integrations import fabric_ddp
 from tests.integrations.loops import gpt2
+from tests.processes import run_module
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric_ddp")
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integrations.fabric_ddp", str(out)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    run_module(
+        "tests.integrations.fabric_ddp",
+        out,
+        timeout_s=TIMEOUT_S,
+        what="the Fabric DDP loop",
+        HF_HUB_OFFLINE="1",
     )
-    try:
-        _, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"the Fabric DDP loop hung (> {TIMEOUT_S} s):\n{stderr[-6000:]}")
-    assert proc.returncode == 0, stderr[-6000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     return out, ranks
 

@@ -8,16 +8,12 @@ cost)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.processes import run_module
+
 TIMEOUT_S = 300  # the fits take ~30 s on 2 idle cores; a hang never returns
 
 
@@ -27,24 +23,10 @@ def distributed_run(tmp_path_factory) -> dict[str, Any]:
     from tests.scaleout.distributed_fits import FITS
 
     out = tmp_path_factory.mktemp("distributed")
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-    # Its own process group: on a hang, rank 1 (Lightning's child of rank 0) is killed too.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.scaleout.distributed_fits", str(out)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    # its own process group: on a hang, rank 1 (Lightning's child of rank 0) is killed too
+    run_module(
+        "tests.scaleout.distributed_fits", out, timeout_s=TIMEOUT_S, what="the distributed fits"
     )
-    try:
-        _, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"the distributed fits hung (> {TIMEOUT_S} s):\n{stderr[-6000:]}")
-    assert proc.returncode == 0, stderr[-6000:]
     results = {
         (fit, rank): json.loads((out / f"{fit}_rank{rank}.json").read_text())
         for fit in FITS

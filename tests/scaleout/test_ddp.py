@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,13 +19,7 @@ from tests.scaleout.distributed_fits import (
     shard_batches,
     single_process_reads,
 )
-
-P0_MARGIN = "dd/model.h.0.ln_1/no_cancellation_margin"  # p_0: NaN by definition
-AGAINST_BASELINE = ("/delta_gamma", "/deepening")  # NaN when rows are not comparable
-
-
-def _floats(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()}  # NaN/inf were written as repr strings
+from tests.scaleout.expected import P0_MARGIN, assert_reads_equal, floats
 
 
 def _csv_rows(log_dir: str) -> list[dict[str, str]]:
@@ -43,28 +36,18 @@ def test_reads_equal_the_single_process_reads_on_the_union_of_rows(distributed_r
     assert [r["step"] for r in reads] == [1, 3, 6]
     module = LitDict(lr=0.0)
     module.load_state_dict(torch.load(distributed_run["out"] / "exact_weights.pt"))
-    for read, expected in zip(reads, single_process_reads(module, reads)):
-        got = _floats(read["metrics"])
-        assert set(got) == set(expected)
-        for key, value in expected.items():
-            if math.isnan(value) and (key == P0_MARGIN or key.endswith(AGAINST_BASELINE)):
-                # p_0's margin: no sublayer before it; Delta_gamma/deepening: the windows'
-                # row counts differ (padding) beyond the rows rule -- NaN in both, as here
-                assert math.isnan(got[key]), key
-                continue
-            assert math.isfinite(value), key
-            assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-10), key
+    assert_reads_equal(reads, single_process_reads(module, reads))
 
 
 def test_a_rank_with_only_padding_in_a_window_neither_hangs_nor_counts(distributed_run):
     """Rank 1's batch of step 0 is all padding (``attention_mask`` zeros): it folds no row,
     takes part in every collective, and the read holds rank 0's rows alone."""
-    first = _floats(distributed_run["results"]["exact", 0]["reads"][0]["metrics"])
+    first = floats(distributed_run["results"]["exact", 0]["reads"][0]["metrics"])
     rank0_rows, rank1_rows = (int(b["attention_mask"].sum()) for b in shard_batches(0))
     assert rank1_rows == 0 and rank0_rows > 32
     assert first["dd/model.ln_f/n_rows"] == rank0_rows
     assert first["dd/model.h.0.ln_1/n_rows"] == rank0_rows
-    later = _floats(distributed_run["results"]["exact", 0]["reads"][1]["metrics"])
+    later = floats(distributed_run["results"]["exact", 0]["reads"][1]["metrics"])
     assert later["dd/model.ln_f/n_rows"] == sum(
         int(b["attention_mask"].sum()) for b in shard_batches(2)
     )
@@ -100,7 +83,7 @@ def test_a_collapse_on_one_rank_alerts_once_and_stops_both(distributed_run):
         ]
     assert [a["step"] for a in rank0["delivered"]] == [4]
     assert rank1["delivered"] == []
-    before = _floats(rank0["reads"][-2]["metrics"])
+    before = floats(rank0["reads"][-2]["metrics"])
     assert before["dd/sigma_min_step_min"] > 0.8  # healthy until the cancellation
 
 
@@ -123,7 +106,7 @@ def test_only_rank_zero_writes_the_logs(distributed_run):
     rows = [row for row in log.history if "dd/sigma_min_ratio_min" in row]
     assert [row["step"] for row in rows] == [r["step"] for r in reads] == [1, 2, 4]
     for row, read in zip(rows, reads):
-        logged, sent = {k: row[k] for k in read["metrics"]}, _floats(read["metrics"])
+        logged, sent = {k: row[k] for k in read["metrics"]}, floats(read["metrics"])
         assert math.isnan(logged.pop(P0_MARGIN)) and math.isnan(sent.pop(P0_MARGIN))
         assert logged == sent
     assert [(a["step"], a["title"]) for a in log.alerts] == [
@@ -163,7 +146,7 @@ def test_sign_magnitude_outlier_reads_cover_every_rank(distributed_run):
     r0, r1 = (distributed_run["results"]["sm", rank] for rank in (0, 1))
     assert r0["failure"] is None and r1["failure"] is None
     assert r0["reads"] == r1["reads"] == 3
-    got0, got1 = _floats(r0["last"]), _floats(r1["last"])
+    got0, got1 = floats(r0["last"]), floats(r1["last"])
     module = LitDict(lr=0.0)
     module.load_state_dict(torch.load(distributed_run["out"] / "sm_weights.pt"))
     module.train()

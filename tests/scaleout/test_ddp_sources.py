@@ -13,13 +13,7 @@ import torch
 
 from normscope import DeadDirectionTracker
 from tests.scaleout.distributed_fits import EXACT_WINDOWS, LitSources, source_batches
-
-P0_MARGIN = "dd/model.h.0.ln_1/no_cancellation_margin"
-AGAINST_BASELINE = ("/delta_gamma", "/deepening")
-
-
-def _floats(metrics):
-    return {k: float(v) for k, v in metrics.items()}
+from tests.scaleout.expected import floats
 
 
 def reference(module, reads):
@@ -48,7 +42,7 @@ def test_per_source_reads_reduce_exactly_across_ranks(distributed_run):
     reads = r0["reads"]
     assert [r["step"] for r in reads] == [1, 3, 6]
     for read, expected in zip(reads, reference(module, reads)):
-        got = _floats(read["metrics"])
+        got = floats(read["metrics"])
         assert set(got) == set(expected)
         assert any(k.startswith("dd.b/") for k in got) and any(k.startswith("dd.c/") for k in got)
         for key, value in expected.items():
@@ -56,11 +50,11 @@ def test_per_source_reads_reduce_exactly_across_ranks(distributed_run):
                 assert math.isnan(got[key]), key  # rows too few there, in both
                 continue
             assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-10), key
-    first = _floats(reads[0]["metrics"])
+    first = floats(reads[0]["metrics"])
     # window 0: rank 1 is all padding, so source b has no row; c and a have rank 0's
     assert first["dd.b/n_rows"] == 0.0 and math.isnan(first["dd.b/sigma_min_ratio_min"])
     assert first["dd.c/n_rows"] > 0 and first["dd.a/n_rows"] > 0
-    later = _floats(reads[1]["metrics"])
+    later = floats(reads[1]["metrics"])
     assert later["dd.b/n_rows"] > 0
     total = sum(later[f"dd.{s}/n_rows"] for s in "abc")
     pooled_rows = later["dd/model.h.0.ln_1/n_rows"]

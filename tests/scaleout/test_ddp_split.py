@@ -7,13 +7,11 @@ the same full report, equal to one process's."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from tests.scaleout.distributed_fits import EXACT_STOP, LitDict, single_process_reads
-from tests.scaleout.test_ddp import AGAINST_BASELINE, P0_MARGIN, _floats
+from tests.scaleout.expected import assert_reads_equal
 
 
 @pytest.mark.parametrize("fit", ["exact", "exact_async"])
@@ -37,14 +35,7 @@ def test_async_reads_under_ddp_equal_the_single_process_reads(distributed_run):
     assert [r["step"] for r in reads] == [1, 3, 6]
     module = LitDict(lr=0.0)
     module.load_state_dict(torch.load(distributed_run["out"] / "exact_async_weights.pt"))
-    for read, expected in zip(reads, single_process_reads(module, reads)):
-        got = _floats(read["metrics"])
-        assert set(got) == set(expected)
-        for key, value in expected.items():
-            if math.isnan(value) and (key == P0_MARGIN or key.endswith(AGAINST_BASELINE)):
-                assert math.isnan(got[key]), key
-                continue
-            assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-10), key
+    assert_reads_equal(reads, single_process_reads(module, reads))
     sync = distributed_run["results"]["exact", 0]["reads"]
     assert reads == sync  # bit for bit the synchronous DDP reads
 
