@@ -4,9 +4,10 @@ the same two processes (one launch: the start-up is the slow part). Each rank wr
 to ``<out>/<fit>_rank<r>.json``.
 
 Fit ``exact``: learning rate 0, every rank fed a disjoint shard of a fixed dict dataset by
-Lightning's ``DistributedSampler`` (``shuffle=False``), rows subsampling off. Rank 1's batch of
-the first window is all padding (``attention_mask`` zeros): that rank folds no row. Rank 0 saves
-the weights, so that the test can compute the single-process reference on the same rows.
+Lightning's ``DistributedSampler`` (``shuffle=False``), rows subsampling off; the data, the
+modules and the read schedule are in ``shards.py``. Rank 1's batch of the first window is all
+padding (``attention_mask`` zeros): that rank folds no row. Rank 0 saves the weights, so that
+the test can compute the single-process reference (``expected.py``) on the same rows.
 
 Fit ``stop`` (DDP): a cancelling MLP branch switched on at step 3 on rank 1 only,
 ``stop_on_alert``, a CSV and a W&B logger.
@@ -29,10 +30,8 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from normscope import (
     DeadDirectionMonitor,
@@ -42,6 +41,14 @@ from normscope import (
 )
 from normscope.alerts import CallableRule
 from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
+from tests.scaleout.shards import (
+    EXACT_EVERY,
+    EXACT_MAX_STEPS,
+    EXACT_STOP,
+    WORLD,
+    LitDict,
+    LitSources,
+)
 
 
 def _discovery_forward(module: L.LightningModule, batch: Any) -> Any:
@@ -56,88 +63,6 @@ def _discovery_forward(module: L.LightningModule, batch: Any) -> Any:
 # before. Discovery from the training forward under DDP (each rank on its own first batch) is
 # tested with Fabric (tests/integrations/test_fabric_ddp.py).
 SEPARATE_DISCOVERY: dict[str, Any] = {"example_forward": _discovery_forward}
-
-BATCH = 16  # per rank
-WORLD = 2
-EXACT_EVERY = 3  # reads after steps 1, 3, 6 ...
-EXACT_WINDOWS = (0, 2, 5)  # ... of the rows of these steps
-EXACT_STOP = 6  # rank 1 alone asks to stop at the read of step 6 ...
-EXACT_MAX_STEPS = 8  # ... so both ranks end at 6, not 8
-
-
-def padding_length(i: int) -> int:
-    """Valid tokens of sample ``i``; 0 for rank 1's samples of step 0 (all padding)."""
-    if i % WORLD == 1 and i < WORLD * BATCH:
-        return 0
-    return 8 + (5 * i) % 9
-
-
-class DictTokens(Dataset):
-    """The ``token_loader`` sequences as dict samples with a right-padding ``attention_mask``."""
-
-    def __init__(self) -> None:
-        self.x, self.y = token_loader().dataset.tensors
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        mask = torch.zeros(self.x.shape[1], dtype=torch.long)
-        mask[: padding_length(i)] = 1
-        return {"input_ids": self.x[i], "attention_mask": mask, "labels": self.y[i]}
-
-
-def shard_batches(step: int) -> list[dict[str, torch.Tensor]]:
-    """The batch each rank trains on at ``step`` (``DistributedSampler``, ``shuffle=False``:
-    rank ``r`` takes samples ``r, r + WORLD, ...``), in rank order."""
-    data = DictTokens()
-    out = []
-    for rank in range(WORLD):
-        idx = [rank + WORLD * (BATCH * step + j) for j in range(BATCH)]
-        items = [data[i] for i in idx]
-        out.append({k: torch.stack([it[k] for it in items]) for k in items[0]})
-    return out
-
-
-def single_process_reads(module: torch.nn.Module, reads: list[dict[str, Any]]) -> list[dict]:
-    """The reference: one process, one tracker, fed every rank's batch of each read's window
-    (``EXACT_WINDOWS``) with ``module``'s weights, no row subsampling. Forwards in train mode
-    with grad on, like the fit's: ``nn.MultiheadAttention``'s no-grad eval fast path (what
-    ``scan_model`` runs) rounds differently in float32, about 1e-8 relative in these reads."""
-    module.train()
-    tracker = DeadDirectionTracker(module, max_rows_per_step=None)
-    first = shard_batches(0)[0]
-    with torch.no_grad():
-        tracker.attach(forward=lambda: module(first["input_ids"]))
-    out = []
-    for read, window in zip(reads, EXACT_WINDOWS):
-        for batch in shard_batches(window):
-            with tracker.gate.sampling(mask=batch["attention_mask"]):
-                module(batch["input_ids"])
-        out.append(tracker.read(step=read["step"], reduce=False).as_dict())
-    tracker.detach()
-    return out
-
-
-class LitDict(LitTiny):
-    """``LitTiny`` on dict batches: ``forward(input_ids, attention_mask=None)``, as a Hugging
-    Face model is called; the mask only tells the monitor which rows are padding. Its loader
-    shards the data with ``DistributedSampler(shuffle=False)`` (Lightning's own sampler would
-    shuffle a training set)."""
-
-    def train_dataloader(self) -> DataLoader:
-        data = DictTokens()
-        sampler = DistributedSampler(
-            data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False
-        )
-        return DataLoader(data, batch_size=BATCH, sampler=sampler)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
-        return self.model(input_ids)
-
-    def training_step(self, batch, batch_idx):
-        logits = self(batch["input_ids"])
-        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
 
 
 class CancelOnRank1(LitTiny):
@@ -471,40 +396,6 @@ def fit_sm(out: Path) -> dict[str, Any]:
         "failure": failing.failure,
     }
     return result
-
-
-def source_of(i: int) -> str:
-    """Sample ``i``'s source: rank 0 (even samples) sees ``a`` and ``c`` only, rank 1 (odd
-    samples) ``a`` and ``b`` only; rank 1's first window is all padding (no row at all)."""
-    return "b" if i % 4 == 1 else ("c" if i % 8 == 0 else "a")
-
-
-class SourceTokens(DictTokens):
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {**super().__getitem__(i), "source": source_of(i)}
-
-
-def source_batches(step: int) -> list[dict[str, Any]]:
-    """``shard_batches`` with each sample's source, in rank order."""
-    out = []
-    for rank, batch in enumerate(shard_batches(step)):
-        idx = [rank + WORLD * (BATCH * step + j) for j in range(BATCH)]
-        out.append({**batch, "source": [source_of(i) for i in idx]})
-    return out
-
-
-class LitSources(LitDict):
-    """``LitDict`` on samples that name their source (``source``: a str per sample)."""
-
-    def train_dataloader(self) -> DataLoader:
-        data = SourceTokens()
-        sampler = DistributedSampler(
-            data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False
-        )
-        return DataLoader(data, batch_size=BATCH, sampler=sampler)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None, source: Any = None):
-        return self.model(input_ids)
 
 
 def fit_sources(out: Path) -> dict[str, Any]:

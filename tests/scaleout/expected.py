@@ -6,9 +6,33 @@ import math
 from typing import Any
 
 import pytest
+import torch
+
+from normscope import DeadDirectionTracker
+from tests.scaleout.shards import EXACT_WINDOWS, shard_batches
 
 P0_MARGIN = "dd/model.h.0.ln_1/no_cancellation_margin"  # p_0: NaN by definition
 AGAINST_BASELINE = ("/delta_gamma", "/deepening")  # NaN when rows are not comparable
+
+
+def single_process_reads(module: torch.nn.Module, reads: list[dict[str, Any]]) -> list[dict]:
+    """The reference: one process, one tracker, fed every rank's batch of each read's window
+    (``EXACT_WINDOWS``) with ``module``'s weights, no row subsampling. Forwards in train mode
+    with grad on, like the fit's: ``nn.MultiheadAttention``'s no-grad eval fast path (what
+    ``scan_model`` runs) rounds differently in float32, about 1e-8 relative in these reads."""
+    module.train()
+    tracker = DeadDirectionTracker(module, max_rows_per_step=None)
+    first = shard_batches(0)[0]
+    with torch.no_grad():
+        tracker.attach(forward=lambda: module(first["input_ids"]))
+    out = []
+    for read, window in zip(reads, EXACT_WINDOWS):
+        for batch in shard_batches(window):
+            with tracker.gate.sampling(mask=batch["attention_mask"]):
+                module(batch["input_ids"])
+        out.append(tracker.read(step=read["step"], reduce=False).as_dict())
+    tracker.detach()
+    return out
 
 
 def floats(metrics: dict[str, Any]) -> dict[str, float]:

@@ -12,14 +12,8 @@ import pytest
 import torch
 
 from normscope.runs import read_wandb_run
-from tests.scaleout.distributed_fits import (
-    EXACT_MAX_STEPS,
-    EXACT_STOP,
-    LitDict,
-    shard_batches,
-    single_process_reads,
-)
-from tests.scaleout.expected import P0_MARGIN, assert_reads_equal, floats
+from tests.scaleout.expected import P0_MARGIN, assert_reads_equal, floats, single_process_reads
+from tests.scaleout.shards import EXACT_MAX_STEPS, EXACT_STOP, LitDict, shard_batches
 
 
 def _csv_rows(log_dir: str) -> list[dict[str, str]]:

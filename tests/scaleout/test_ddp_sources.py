@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from normscope import DeadDirectionTracker
-from tests.scaleout.distributed_fits import EXACT_WINDOWS, LitSources, source_batches
 from tests.scaleout.expected import floats
+from tests.scaleout.shards import EXACT_WINDOWS, LitSources, source_batches
 
 
 def reference(module, reads):

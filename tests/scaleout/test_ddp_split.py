@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.scaleout.distributed_fits import EXACT_STOP, LitDict, single_process_reads
-from tests.scaleout.expected import assert_reads_equal
+from tests.scaleout.expected import assert_reads_equal, single_process_reads
+from tests.scaleout.shards import EXACT_STOP, LitDict
 
 
 @pytest.mark.parametrize("fit", ["exact", "exact_async"])

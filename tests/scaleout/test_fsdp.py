@@ -26,7 +26,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.callbacks._base import check_strategy
 from tests.callbacks.tiny_models import cpu_trainer
-from tests.scaleout.distributed_fits import LitDict, LitSharded, single_process_reads
+from tests.scaleout.distributed_fits import LitSharded
+from tests.scaleout.expected import single_process_reads
+from tests.scaleout.shards import LitDict
 
 
 def test_fsdp2_reads_equal_the_single_process_reads(distributed_run):
@@ -146,7 +148,7 @@ def test_layers_built_in_configure_model_are_found_at_fit_start(tmp_path):
 
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
     trainer = cpu_trainer(2, [monitor])
-    from tests.scaleout.distributed_fits import DictTokens
+    from tests.scaleout.shards import DictTokens
 
     trainer.fit(Built(), train_dataloaders=torch.utils.data.DataLoader(DictTokens(), batch_size=16))
     # window 1 only: step 0's forward is residual discovery's
