@@ -9,26 +9,31 @@ import pytest
 import torch
 
 from normscope import DeadDirectionTracker
-from tests.scaleout.shards import EXACT_WINDOWS, shard_batches
+from tests.scaleout.shards import EXACT_WINDOWS, shard_batches, source_batches
 
 P0_MARGIN = "dd/model.h.0.ln_1/no_cancellation_margin"  # p_0: NaN by definition
 AGAINST_BASELINE = ("/delta_gamma", "/deepening")  # NaN when rows are not comparable
 
 
-def single_process_reads(module: torch.nn.Module, reads: list[dict[str, Any]]) -> list[dict]:
+def single_process_reads(
+    module: torch.nn.Module, reads: list[dict[str, Any]], sources: str | None = None
+) -> list[dict]:
     """The reference: one process, one tracker, fed every rank's batch of each read's window
-    (``EXACT_WINDOWS``) with ``module``'s weights, no row subsampling. Forwards in train mode
-    with grad on, like the fit's: ``nn.MultiheadAttention``'s no-grad eval fast path (what
-    ``scan_model`` runs) rounds differently in float32, about 1e-8 relative in these reads."""
+    (``EXACT_WINDOWS``) with ``module``'s weights, no row subsampling; with ``sources`` (the
+    batch field naming each sample's source) the per-source fit's batches, read per source.
+    Forwards in train mode with grad on, like the fit's: ``nn.MultiheadAttention``'s no-grad
+    eval fast path (what ``scan_model`` runs) rounds differently in float32, about 1e-8
+    relative in these reads."""
+    batches = source_batches if sources is not None else shard_batches
     module.train()
-    tracker = DeadDirectionTracker(module, max_rows_per_step=None)
-    first = shard_batches(0)[0]
+    tracker = DeadDirectionTracker(module, max_rows_per_step=None, sources=sources)
+    first = batches(0)[0]
     with torch.no_grad():
         tracker.attach(forward=lambda: module(first["input_ids"]))
     out = []
     for read, window in zip(reads, EXACT_WINDOWS):
-        for batch in shard_batches(window):
-            with tracker.gate.sampling(mask=batch["attention_mask"]):
+        for batch in batches(window):
+            with tracker.gate.sampling(mask=batch["attention_mask"], sources=tracker.label(batch)):
                 module(batch["input_ids"])
         out.append(tracker.read(step=read["step"], reduce=False).as_dict())
     tracker.detach()

@@ -11,25 +11,8 @@ import math
 import pytest
 import torch
 
-from normscope import DeadDirectionTracker
-from tests.scaleout.expected import floats
-from tests.scaleout.shards import EXACT_WINDOWS, LitSources, source_batches
-
-
-def reference(module, reads):
-    module.train()
-    tracker = DeadDirectionTracker(module, max_rows_per_step=None, sources="source")
-    first = source_batches(0)[0]
-    with torch.no_grad():
-        tracker.attach(forward=lambda: module(first["input_ids"]))
-    out = []
-    for read, window in zip(reads, EXACT_WINDOWS):
-        for batch in source_batches(window):
-            with tracker.gate.sampling(mask=batch["attention_mask"], sources=tracker.label(batch)):
-                module(batch["input_ids"])
-        out.append(tracker.read(step=read["step"], reduce=False).as_dict())
-    tracker.detach()
-    return out
+from tests.scaleout.expected import floats, single_process_reads
+from tests.scaleout.shards import LitSources
 
 
 def test_per_source_reads_reduce_exactly_across_ranks(distributed_run):
@@ -41,7 +24,7 @@ def test_per_source_reads_reduce_exactly_across_ranks(distributed_run):
     module.load_state_dict(torch.load(distributed_run["out"] / "sources_weights.pt"))
     reads = r0["reads"]
     assert [r["step"] for r in reads] == [1, 3, 6]
-    for read, expected in zip(reads, reference(module, reads)):
+    for read, expected in zip(reads, single_process_reads(module, reads, sources="source")):
         got = floats(read["metrics"])
         assert set(got) == set(expected)
         assert any(k.startswith("dd.b/") for k in got) and any(k.startswith("dd.c/") for k in got)

@@ -35,6 +35,7 @@ __all__ = ["depth_order", "merge_reads", "reevaluate_alerts", "run"]
 
 _NORM_MARK = "/gamma_alignment"
 _POINT_MARK = "/sigma_min_ratio"
+_cell = functools.partial(fmt, finite=True)  # the tables: a missing or +-Inf value reads "nan"
 
 
 def merge_reads(
@@ -177,8 +178,8 @@ def source_rows(
         for s in sources:
             rows_s = v.get(f"dd.{s}/n_rows")
             cells.append(
-                f"{fmt(v.get(f'dd.{s}/sigma_min_ratio_min'), '.4g', finite=True)} "
-                f"({fmt(rows_s, '.0f', finite=True) if rows_s is not None else '-'})"
+                f"{_cell(v.get(f'dd.{s}/sigma_min_ratio_min'), '.4g')} "
+                f"({_cell(rows_s, '.0f') if rows_s is not None else '-'})"
             )
         collapses = classify_collapses(v)
         cells += [collapses[0].kind, collapses[0].point] if collapses else ["none", "-"]
@@ -194,12 +195,11 @@ def _summary_rows(
         ratios = {p: v.get(f"dd/{p}/sigma_min_ratio", math.nan) for p in points[1:]}
         ratios = {p: r for p, r in ratios.items() if math.isfinite(r)}
         worst = min(ratios, key=ratios.get) if ratios else "-"
-        cell = functools.partial(fmt, finite=True)
         rows.append(
             [
-                f"{step:g}", cell(v.get("dd/sigma_min_ratio_min"), ".4g"),
-                cell(v.get("dd/sigma_min_step_min"), ".4g"), worst,
-                cell(v.get("dd/gamma_alignment_min"), ".6f"), "ALERT" if step in alert_steps else "",
+                f"{step:g}", _cell(v.get("dd/sigma_min_ratio_min"), ".4g"),
+                _cell(v.get("dd/sigma_min_step_min"), ".4g"), worst,
+                _cell(v.get("dd/gamma_alignment_min"), ".6f"), "ALERT" if step in alert_steps else "",
             ]
         )  # fmt: skip
     return rows

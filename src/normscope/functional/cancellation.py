@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
+from normscope.functional._rows import check_dim
 from normscope.functional.covariance import symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
 
@@ -59,9 +60,7 @@ class StreamingCrossMoment:
     """
 
     def __init__(self, dim: int, device: torch.device | str | None = None) -> None:
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-            raise ValueError(f"StreamingCrossMoment: dim must be a positive int, got {dim!r}")
-        self.dim = dim
+        self.dim = check_dim(dim, "StreamingCrossMoment")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.reset()
 

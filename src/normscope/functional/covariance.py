@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
+from normscope.functional._rows import check_dim, check_rows
 from normscope.functional.fold import add_gram_, centre_rows, fold_plan, mirror_upper_
 
 __all__ = ["StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
@@ -82,8 +83,7 @@ class StreamingCovariance:
         seed: int = 0,
         fold: str = "auto",
     ) -> None:
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-            raise ValueError(f"StreamingCovariance: dim must be a positive int, got {dim!r}")
+        check_dim(dim, "StreamingCovariance")
         if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
             raise ValueError(
                 f"StreamingCovariance: max_rows must be None or a positive int, got {max_rows!r}"
@@ -165,11 +165,7 @@ class StreamingCovariance:
             raise TypeError(
                 f"StreamingCovariance.update: expected a tensor, got {type(x).__name__}"
             )
-        if x.ndim == 0 or x.shape[-1] != self.dim:
-            raise ValueError(
-                f"StreamingCovariance.update: rows must have width d={self.dim}, "
-                f"got a tensor of shape {tuple(x.shape)}"
-            )
+        check_rows(x, mask, self.dim, "StreamingCovariance.update")
         if x.is_complex():
             raise TypeError(
                 f"StreamingCovariance.update: complex rows are not supported ({x.dtype})"
@@ -177,11 +173,6 @@ class StreamingCovariance:
         rows = rearrange(x.detach(), "... d -> (...) d")
         keep = None
         if mask is not None:
-            if tuple(mask.shape) != tuple(x.shape[:-1]):
-                raise ValueError(
-                    "StreamingCovariance.update: mask must have the shape of x without its last "
-                    f"dimension, {tuple(x.shape[:-1])}; got {tuple(mask.shape)}"
-                )
             keep = rearrange(mask.detach(), "... -> (...)").to(rows.device) != 0
         if rows.shape[0] == 0:
             return

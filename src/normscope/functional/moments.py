@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from normscope.functional._rows import check_dim, check_rows
+
 __all__ = ["DiagonalMoment"]
 
 
@@ -37,9 +39,7 @@ class DiagonalMoment:
     """
 
     def __init__(self, dim: int, device: torch.device | str | None = None) -> None:
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
-            raise ValueError(f"DiagonalMoment: dim must be a positive int, got {dim!r}")
-        self.dim = dim
+        self.dim = check_dim(dim, "DiagonalMoment")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.reset()
 
@@ -53,20 +53,11 @@ class DiagonalMoment:
         """Fold the rows of ``x`` (shape ``(..., d)``) in; rows where ``mask`` (shape
         ``x.shape[:-1]``, non-zero keeps) is zero are skipped, rows holding NaN/Inf dropped and
         counted in :attr:`rows_rejected`. No host sync."""
-        if x.ndim == 0 or x.shape[-1] != self.dim:
-            raise ValueError(
-                f"DiagonalMoment.update: rows must have width d={self.dim}, "
-                f"got a tensor of shape {tuple(x.shape)}"
-            )
+        check_rows(x, mask, self.dim, "DiagonalMoment.update")
         rows = x.detach().reshape(-1, self.dim).to(self.device, torch.float64)
         finite = torch.isfinite(rows.sum(dim=1))
         keep = finite
         if mask is not None:
-            if tuple(mask.shape) != tuple(x.shape[:-1]):
-                raise ValueError(
-                    "DiagonalMoment.update: mask must have the shape of x without its last "
-                    f"dimension, {tuple(x.shape[:-1])}; got {tuple(mask.shape)}"
-                )
             wanted = mask.detach().reshape(-1).to(self.device) != 0
             keep = finite & wanted
             self._rejected += (wanted & ~finite).sum()

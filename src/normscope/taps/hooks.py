@@ -12,10 +12,11 @@ On a sampled forward a hook folds its tensor's rows into its accumulator (a
 family's :class:`~normscope.functional.moments.DiagonalMoment`: see :class:`Accumulator`) on the
 tensor's own device, with the batch's padding mask when the caller supplied one
 (:meth:`Gate.sampling`). A forward re-run by activation checkpointing (inside backward) is
-skipped, so no row is counted twice. If a hook raises, it disables that module's taps alone, warns
-once naming it (or hands the failure to the set's ``on_fail``), and training goes on. The residual points' taps fold through a
-:class:`~normscope.taps.chain.PointChain` (:meth:`TapSet.chain_points`): one row subset per
-forward for all of them, and the cross-moments between neighbours.
+skipped, so no row is counted twice. If a hook raises, it disables that module's taps alone,
+warns once naming it (or hands the failure to the set's ``on_fail``), and training goes on. The
+residual points' taps fold through a :class:`~normscope.taps.chain.PointChain`
+(:meth:`TapSet.chain_points`): one row subset per forward for all of them, and the
+cross-moments between neighbours.
 """
 
 from __future__ import annotations
