@@ -44,11 +44,7 @@ def source_lm_with_tokenizer() -> tuple[nn.Module, object]:
     """``examples/sources.py``'s model at random init, its MLP branch of block 1 cancelling on
     code tokens only, and a tokenizer that sends lowercase letters and blanks to the prose ids
     (0..31) and every other character to the code ids (32..63)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    import sources
+    from examples import sources
 
     torch.manual_seed(0)
     model = sources.SourceLM()

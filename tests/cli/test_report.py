@@ -206,12 +206,9 @@ def test_report_of_a_run_with_sources_shows_them_and_the_classification(tmp_path
     """A CSV-logged fit of examples/sources.py (the collapse on the code source only): the
     report reads the dd.<source>/ keys, tabulates each source and the collapse's class, and
     re-evaluates the source rule (the CSV holds no alert record)."""
-    import sys
-
     from torch.utils.data import DataLoader
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    import sources
+    from examples import sources
 
     torch.manual_seed(0)
     monitor = DeadDirectionMonitor(

@@ -4,13 +4,12 @@ exact split of it, the classification of a collapse, rows too few, memory, resum
 from __future__ import annotations
 
 import math
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
+from examples import sources as example
 from normscope import DeadDirectionTracker, scan_model
 from normscope.alerts import SigmaMinRatioRule, SourceCollapseRule
 from normscope.functional import StreamingCovariance
@@ -18,9 +17,6 @@ from normscope.integrations.layers import select_layers
 from normscope.monitors.dead_direction import _tap_cost
 from normscope.monitors.scan import call_model
 from normscope.monitors.sources import below_floor, classify_collapses
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import sources as example  # noqa: E402
 
 torch.set_num_threads(1)
 
