@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from normscope import SignMagnitudeMonitor
+from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.monitors.sign_magnitude import SignMagnitudeTracker, find_block_linears
 from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
 
@@ -101,3 +101,15 @@ def test_bad_arguments():
         SignMagnitudeMonitor(flip_rate=1.5)
     with pytest.raises(ValueError, match="available"):
         SignMagnitudeTracker(TinyLM(), layers=["nope"])
+
+
+@pytest.mark.parametrize("monitor", [SignMagnitudeMonitor, DeadDirectionMonitor])
+def test_layers_must_be_auto_or_a_list_of_paths(monitor):
+    """One module path given as a string is refused at construction (the sign-magnitude
+    monitor once took it as a list of its characters); any iterable of paths is kept as a
+    list, a generator included."""
+    for bad in ("model.h.0.mlp.0", 3, ["model.h.0.mlp.0", 3]):
+        with pytest.raises(MisconfigurationException, match="layers must be 'auto' or a list"):
+            monitor(layers=bad)
+    assert monitor(layers=(p for p in ["a.b", "c"])).layers == ["a.b", "c"]
+    assert monitor().layers == "auto"

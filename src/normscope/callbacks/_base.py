@@ -21,13 +21,15 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from normscope.alerts import build_sinks
 
 # Moved out by job; every name stays importable from here (the private ones re-exported).
 from normscope.callbacks.arguments import _PLAIN, _UNKEYED, stable_repr  # noqa: F401
@@ -51,6 +53,7 @@ from normscope.callbacks.strategy import (  # noqa: F401
     compiled,
     eager_forwards,
 )
+from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.names import check_name
 
 __all__ = ["MonitorCallback", "check_strategy", "compiled", "eager_forwards", "fail_open"]
@@ -129,6 +132,40 @@ class MonitorCallback(Publishing, Handshake, CostGuard, Callback):
         self._stop_decided_step = -2
         self._skipped_loggers: set[int] = set()
         self._failed_rules: set[int] = set()
+
+    def _keep_shared_arguments(
+        self,
+        layers: str | Iterable[str],
+        alerts: Sequence[str | Callable[..., Any]],
+        log_per_layer: str | int,
+        example_forward: Callable[..., Any] | None,
+        verbose: bool,
+        seed: int,
+    ) -> None:
+        """Check and keep the arguments every monitor takes, the same way for each (a bad one is
+        a ``MisconfigurationException`` naming the monitor), and start the per-read state."""
+        owner = type(self).__name__
+        try:
+            self.log_per_layer = check_log_per_layer(log_per_layer, owner)
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
+        paths = (
+            None if isinstance(layers, str) or not isinstance(layers, Iterable) else list(layers)
+        )
+        if layers != "auto" and (paths is None or not all(isinstance(x, str) for x in paths)):
+            raise MisconfigurationException(
+                f"{owner}: layers must be 'auto' or a list of module paths, got {layers!r}"
+            )
+        try:
+            self.sinks = build_sinks(alerts)
+        except ValueError as err:
+            raise MisconfigurationException(f"{owner}: {err}") from err
+        self.layers = "auto" if paths is None else paths
+        self.example_forward = example_forward
+        self.verbose = verbose
+        self.seed = seed
+        self.reads = 0
+        self.alerts_fired = []
 
     @property
     def label(self) -> str:

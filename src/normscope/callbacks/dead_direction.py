@@ -17,7 +17,6 @@ from normscope.alerts import (
     KernelLossRule,
     SigmaMinRatioRule,
     SourceCollapseRule,
-    build_sinks,
     default_dead_direction_rules,
 )
 from normscope.callbacks._base import (
@@ -28,7 +27,6 @@ from normscope.callbacks._base import (
 )
 from normscope.callbacks.async_reads import AsyncReads
 from normscope.callbacks.dead_direction_discovery import AttachStream
-from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.dead_direction import (
     DeadDirectionReport,
     DeadDirectionTracker,
@@ -166,25 +164,15 @@ class DeadDirectionMonitor(AsyncReads, AttachStream, MonitorCallback):
     ) -> None:
         self._remember_arguments(DeadDirectionMonitor.__init__, locals())
         super().__init__(every_n_steps, overhead_warn, name)
-        try:
-            self.log_per_layer = check_log_per_layer(log_per_layer, "DeadDirectionMonitor")
-        except ValueError as err:
-            raise MisconfigurationException(str(err)) from err
+        self._keep_shared_arguments(layers, alerts, log_per_layer, example_forward, verbose, seed)
         if max_rows_per_step is not None and max_rows_per_step < 1:
             raise MisconfigurationException(
                 f"DeadDirectionMonitor: max_rows_per_step must be None or >= 1, got {max_rows_per_step}"
-            )
-        if layers != "auto" and (
-            isinstance(layers, str) or not all(isinstance(x, str) for x in layers)
-        ):
-            raise MisconfigurationException(
-                f"DeadDirectionMonitor: layers must be 'auto' or a list of module paths, got {layers!r}"
             )
         if max_memory is not None and max_memory <= 0:
             raise MisconfigurationException("DeadDirectionMonitor: max_memory must be > 0 bytes")
         try:
             self.sigma_rule = SigmaMinRatioRule(alert_below, tolerance, patience, warmup_reads)
-            self.sinks = build_sinks(alerts)
         except ValueError as err:
             raise MisconfigurationException(f"DeadDirectionMonitor: {err}") from err
         self.kernel_rule = KernelLossRule(kernel_residual_alert) if kernel_residual_alert else None
@@ -208,23 +196,17 @@ class DeadDirectionMonitor(AsyncReads, AttachStream, MonitorCallback):
             (r for r in self.rules if isinstance(r, SourceCollapseRule)), None
         )
         self.rules.extend(rules)
-        self.layers = layers if layers == "auto" else list(layers)
         self.residual = residual
         self.max_rows_per_step = max_rows_per_step
         self.stop_on_alert = stop_on_alert
         self.null_tol = null_tol
         self.max_memory = max_memory
-        self.example_forward = example_forward
-        self.verbose = verbose
-        self.seed = seed
         self.async_reads = async_reads
         self._init_async()
 
         self.tracker: DeadDirectionTracker | None = None
-        self.reads = 0
         self.last_read_step = -1
         self.last_report: DeadDirectionReport | None = None
-        self.alerts_fired: list[Alert] = []
         self._baselines: dict[str, float] = {}
         self._rows: dict[str, int] = {}  # the rows each baseline was read on
         self._discovering = False  # discovery's hooks watch this batch's training forward

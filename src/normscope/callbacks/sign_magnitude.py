@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from normscope.alerts import Alert, AlertRule, OutlierRule, SignChurnSpikeRule, build_sinks
+from normscope.alerts import Alert, AlertRule, OutlierRule, SignChurnSpikeRule
 from normscope.callbacks._base import (
     MonitorCallback,
     check_strategy,
@@ -21,7 +21,6 @@ from normscope.callbacks._base import (
     eager_forwards,
     fail_open,
 )
-from normscope.integrations.layers import check_log_per_layer
 from normscope.monitors.scan import call_model
 from normscope.monitors.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
 
@@ -105,38 +104,25 @@ class SignMagnitudeMonitor(MonitorCallback):
     ) -> None:
         self._remember_arguments(SignMagnitudeMonitor.__init__, locals())
         super().__init__(every_n_steps, overhead_warn, name)
-        try:
-            self.log_per_layer = check_log_per_layer(log_per_layer, "SignMagnitudeMonitor")
-        except ValueError as err:
-            raise MisconfigurationException(str(err)) from err
+        self._keep_shared_arguments(layers, alerts, log_per_layer, example_forward, verbose, seed)
         if not 0.0 < flip_rate < 1.0:
             raise MisconfigurationException(
                 f"SignMagnitudeMonitor: flip_rate must be in (0, 1), got {flip_rate}"
             )
         if probe_samples < 1:
             raise MisconfigurationException("SignMagnitudeMonitor: probe_samples must be >= 1")
-        try:
-            self.sinks = build_sinks(alerts)
-        except ValueError as err:
-            raise MisconfigurationException(f"SignMagnitudeMonitor: {err}") from err
         self.rules: list[AlertRule] = []
         if max_leverage_alert is not None:
             self.rules.append(OutlierRule(max_leverage_alert))
         if churn_spike_factor is not None:
             self.rules.append(SignChurnSpikeRule(churn_spike_factor, min_churn))
         self.rules.extend(rules)
-        self.layers = layers if layers == "auto" else list(layers)
         self.probe_layers = probe_layers
         self.probe_batch = probe_batch
         self.probe_samples = probe_samples
         self.flip_rate = flip_rate
-        self.example_forward = example_forward
-        self.verbose = verbose
-        self.seed = seed
         self.tracker: SignMagnitudeTracker | None = None
-        self.reads = 0
         self.last_report: SignMagnitudeReport | None = None
-        self.alerts_fired: list[Alert] = []
         self.history: list[tuple[int, dict[str, float]]] = []  # run-level sm/<metric> per read
         self._pending_state: dict[str, Any] | None = None
 
