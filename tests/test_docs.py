@@ -1,6 +1,7 @@
 """The documentation is the repository's own and complete: every link in the README and in
-``docs/`` resolves to a file inside the repository, no file points outside it, and every key the
-monitors log in a real fit is listed in ``docs/monitors.md`` or ``docs/sources.md``."""
+``docs/`` resolves to a file inside the repository, no file points outside it, every key the
+monitors log in a real fit is listed in ``docs/monitors.md`` or ``docs/sources.md``, and every
+constructor argument and command-line option is named in its page."""
 
 from __future__ import annotations
 
@@ -118,4 +119,43 @@ def test_every_logged_key_is_documented(tmp_path):
         metric = path[-1]
         if not ({key, metric, f"{family.split('.')[0]}/{metric}"} & names):
             missing.append(key)
+    assert not missing, missing
+
+
+def test_every_argument_and_option_is_documented():
+    """Each monitor's every constructor argument is named in docs/monitors.md, each tracker's
+    in docs/plain-pytorch.md or docs/monitors.md, and each option of ``normscope scan`` and
+    ``normscope report`` in docs/cli.md."""
+    import argparse
+    import inspect
+
+    from normscope import DeadDirectionTracker
+    from normscope.cli.options import report_arguments, scan_arguments
+    from normscope.monitors.sign_magnitude import SignMagnitudeTracker
+
+    def names(*pages: str) -> set[str]:
+        text = "".join((ROOT / "docs" / page).read_text() for page in pages)
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        spans = re.findall(r"`([^`]+)`", text)
+        return {w.lstrip("-") for span in spans for w in re.findall(r"[\w-]+", span)}
+
+    missing = []
+    for cls, pages in (
+        (DeadDirectionMonitor, ("monitors.md", "sources.md")),
+        (SignMagnitudeMonitor, ("monitors.md",)),
+        (DeadDirectionTracker, ("plain-pytorch.md", "monitors.md", "sources.md")),
+        (SignMagnitudeTracker, ("plain-pytorch.md", "monitors.md")),
+    ):
+        documented = names(*pages)
+        for arg in inspect.signature(cls.__init__).parameters:
+            if arg != "self" and arg not in documented:
+                missing.append(f"{cls.__name__}({arg}=)")
+    documented = names("cli.md")
+    for command, add in (("scan", scan_arguments), ("report", report_arguments)):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        for action in parser._actions:
+            flags = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+            if flags and not any(f.lstrip("-") in documented for f in flags):
+                missing.append(f"normscope {command} {flags[0]}")
     assert not missing, missing
