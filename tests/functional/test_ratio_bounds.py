@@ -187,3 +187,21 @@ def test_a_collapse_that_persists_alerts_once():
     assert rule.below["p1"] == 3
     rule.evaluate(_read(1.0, 8), step=5)  # recovered: the next collapse alerts again
     assert [a.point for a in rule.evaluate(_read(0.3, 8), step=6)] == ["p1"]
+
+
+def test_warmup_reads_never_alert_and_a_collapse_that_outlasts_them_alerts_once():
+    """``warmup_reads=2``: a collapse read at every read from the first is silent for two reads
+    and alerts at the third, once (it once never alerted: its count had passed ``patience``
+    during the warm-up); with ``patience=2`` a collapse that starts after the warm-up alerts
+    at its second read below."""
+    collapsed, healthy = _read(0.3, 50), _read(1.0, 50)
+    rule = SigmaMinRatioRule(warmup_reads=2)
+    fired = [[a.step for a in rule.evaluate(collapsed, step=s)] for s in range(1, 6)]
+    assert fired == [[], [], [3], [], []]
+    patient = SigmaMinRatioRule(warmup_reads=2, patience=2)
+    reads = [healthy, healthy, healthy, collapsed, collapsed, collapsed]
+    fired = [[a.step for a in patient.evaluate(r, step=s)] for s, r in enumerate(reads, 1)]
+    assert fired == [[], [], [], [], [5], []]
+    early = SigmaMinRatioRule(warmup_reads=1, patience=2)
+    fired = [[a.step for a in early.evaluate(collapsed, step=s)] for s in range(1, 5)]
+    assert fired == [[], [2], [], []]  # one read below in the warm-up counts toward patience

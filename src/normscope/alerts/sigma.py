@@ -253,8 +253,14 @@ class SigmaMinRatioRule:
                     below = False  # only downstream of a collapse already counted
             upstream_collapse = upstream_collapse or bool(below)
             self.below[point] = self.below.get(point, 0) + 1 if below else 0
-            if self.reads <= self.warmup_reads or self.below[point] != self.patience:
-                continue  # fire once when patience is reached, not on every read after
+            # Fire once when patience is reached, not on every read after; a collapse that
+            # began during the warm-up and still holds fires at the first read after it.
+            first_after_warmup = self.reads == self.warmup_reads + 1
+            if self.reads <= self.warmup_reads or not (
+                self.below[point] == self.patience
+                or (first_after_warmup and self.below[point] > self.patience)
+            ):
+                continue
             sub = self.sublayers.get(point)
             ratio = values.get("sigma_min_ratio", math.nan)
             step_ratio = values.get("sigma_min_step", math.nan)
