@@ -391,3 +391,30 @@ def test_half_precision_models_give_the_same_layout(arch: str, dtype: torch.dtyp
     assert (layout.style, [p.name for p in layout.points]) == (style, names)
     assert [p.sublayer for p in layout.points] == sublayers
     assert set(layout.branch_norms) == branch
+
+
+def test_a_listed_subset_of_norms_reads_block_boundaries_and_says_so() -> None:
+    """``layers=[first, last]`` on a 6-block pre-norm LM: the stream is found from those two
+    norms alone, so five blocks are read at their boundaries (8 points, not 13), and the
+    layout's last note says the other notes know only the listed norms; all 13 listed is the
+    same layout as "auto", with no such note."""
+    from normscope.monitors import DeadDirectionTracker
+    from tests.callbacks.tiny_models import TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM(layers=6, d=16)
+    x = torch.randint(32, (8, 16))
+    every = [n for n, _ in model.named_modules() if n.endswith(("ln_1", "ln_2", "ln_f"))]
+    layouts = {}
+    for key, layers in (("auto", "auto"), ("two", ["h.0.ln_1", "h.5.ln_2"]), ("all", every)):
+        tracker = DeadDirectionTracker(model, layers=layers)
+        tracker.attach(forward=lambda: model(x))
+        layouts[key] = tracker.layout
+        tracker.detach()
+    assert len(layouts["auto"].points) == 13 and layouts["auto"].style == "pre-norm"
+    assert layouts["all"] == layouts["auto"]
+    two = layouts["two"]
+    # blocks 0-4 at their outputs; block 5's listed ln_2 still splits it into attn and mlp
+    assert [p.sublayer for p in two.points] == [None] + ["block"] * 5 + ["attn", "mlp"]
+    assert two.notes[-1].startswith("found from the 2 listed norm layers of the model's 13")
+    assert not any("listed norm layers" in n for n in layouts["auto"].notes)

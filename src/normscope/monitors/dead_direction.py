@@ -3,11 +3,9 @@
 :class:`DeadDirectionTracker` finds a model's norm layers and residual points
 (:mod:`normscope.taps`), hooks them once, accumulates rows while its gate is open and, on
 :meth:`~DeadDirectionTracker.read`, reduces across processes and runs every read of
-docs/metrics.md §1 into a :class:`DeadDirectionReport`. :func:`normscope.scan_model` and the
-Lightning ``DeadDirectionMonitor`` are thin drivers of it. The reports are built in
-:mod:`~normscope.monitors.dead_direction_report`, the reads run in
-:mod:`~normscope.monitors.dead_direction_read` and ``max_memory`` is planned in
-:mod:`~normscope.monitors.budget`; their names used elsewhere import from here too.
+docs/metrics.md §1 into a :class:`DeadDirectionReport` (:func:`normscope.scan_model` and the
+Lightning ``DeadDirectionMonitor`` drive it). Reports: :mod:`.dead_direction_report`; reads:
+:mod:`.dead_direction_read`; ``max_memory``: :mod:`.budget` (their names import from here too).
 
 Per norm layer two tensors are tapped: its input ``h`` (covariance ``C_h`` for the Schur quotient,
 second moment for ``sigma_min`` where the input is a residual point) and its output (covariance
@@ -40,7 +38,7 @@ from normscope.monitors.dead_direction_report import (  # noqa: F401 - FAMILY, .
     key_path,
 )
 from normscope.taps.hooks import Gate, Tap, TapSet
-from normscope.taps.norms import NormLayer, find_norm_layers
+from normscope.taps.norms import NormLayer, discover_norm_layers, find_norm_layers
 from normscope.taps.residual import ResidualDiscovery, ResidualLayout, find_residual_points
 from normscope.taps.sources import SourceLabels, SourceSpec, SourceSplit, resolve_labels
 
@@ -195,6 +193,9 @@ class DeadDirectionTracker:
                 discovery.remove()
         elif self.layout is None:
             self.discover(forward)
+        if self.layout is not None and self.layers != "auto":
+            total = len(discover_norm_layers(self.model, warn=False).norms)
+            self.layout = self.layout.found_from(len(self.norms), total)
         if self.max_memory is not None:
             self._apply_budget(self.max_memory)
         for norm in self.norms:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from normscope._common import NormscopeError
@@ -61,3 +62,15 @@ class ResidualLayout:
     notes: tuple[str, ...]
     branch_norms: tuple[str, ...] = ()
     fallback: str | None = None
+
+    def found_from(self, listed: int, total: int) -> ResidualLayout:
+        """This layout, with a note when it was found from ``listed`` of the model's ``total``
+        norm layers (``layers=[...]``): the points and the style notes then know only those."""
+        if listed >= total:
+            return self
+        note = (
+            f"found from the {listed} listed norm layers of the model's {total} (layers=): a "
+            "block none of whose norms is listed is read at its boundary, and the other notes "
+            "speak of the listed norms only"
+        )
+        return dataclasses.replace(self, notes=(*self.notes, note))
