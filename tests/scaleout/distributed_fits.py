@@ -292,16 +292,15 @@ FAIL_CASES = ("snapshot_gammas", "min_rows", "as_dict")
 FAIL_STEPS = 8
 
 
-def fit_fail(out: Path) -> dict[str, Any]:
-    """A monitor failing on one rank only: every rank must finish the fit (no collective left
-    waiting), the failed rank with its own reason, the others stopping their reads with it."""
+def _fail_fits(out: Path, cases: tuple[str, ...], name: str, **monitor_kw: Any) -> dict[str, Any]:
+    """One fit per case, rank 1 failing as the case says; what each rank ended with."""
     results = {}
-    for what in FAIL_CASES:
+    for what in cases:
         L.seed_everything(0, verbose=False)
         monitor = DeadDirectionMonitor(
-            every_n_steps=2, stop_on_alert=True, verbose=False, **SEPARATE_DISCOVERY
+            every_n_steps=2, stop_on_alert=True, verbose=False, **SEPARATE_DISCOVERY, **monitor_kw
         )
-        t = trainer(monitor, FAIL_STEPS, [CSVLogger(out, name=f"fail_{what}")])
+        t = trainer(monitor, FAIL_STEPS, [CSVLogger(out, name=f"{name}_{what}")])
         original = DeadDirectionReport.as_dict
         try:
             t.fit(FailOnRank1(monitor, what, at=3), train_dataloaders=token_loader(n=512))
@@ -313,8 +312,15 @@ def fit_fail(out: Path) -> dict[str, Any]:
             "last_read_step": monitor.last_read_step,
             "disabled": monitor.disabled,
             "failure": monitor.failure,
+            "threads": [th.name for th in threading.enumerate() if th.name.startswith("normscope")],
         }
     return results
+
+
+def fit_fail(out: Path) -> dict[str, Any]:
+    """A monitor failing on one rank only: every rank must finish the fit (no collective left
+    waiting), the failed rank with its own reason, the others stopping their reads with it."""
+    return _fail_fits(out, FAIL_CASES, "fail")
 
 
 ASYNC_FAIL_CASES = ("min_rows", "as_dict", "result")
@@ -323,30 +329,7 @@ ASYNC_FAIL_CASES = ("min_rows", "as_dict", "result")
 def fit_fail_async(out: Path) -> dict[str, Any]:
     """``fit_fail`` with ``async_reads=True``: a read in flight when rank 1 fails (``result``:
     at its publish, before the gather; ``as_dict``: after the gather, before the stop vote)."""
-    results = {}
-    for what in ASYNC_FAIL_CASES:
-        L.seed_everything(0, verbose=False)
-        monitor = DeadDirectionMonitor(
-            every_n_steps=2,
-            stop_on_alert=True,
-            verbose=False,
-            async_reads=True,
-            **SEPARATE_DISCOVERY,
-        )
-        t = trainer(monitor, FAIL_STEPS, [CSVLogger(out, name=f"fail_async_{what}")])
-        original = DeadDirectionReport.as_dict
-        try:
-            t.fit(FailOnRank1(monitor, what, at=3), train_dataloaders=token_loader(n=512))
-        finally:
-            DeadDirectionReport.as_dict = original
-        results[what] = {
-            "global_step": t.global_step,
-            "reads": monitor.reads,
-            "disabled": monitor.disabled,
-            "failure": monitor.failure,
-            "threads": [th.name for th in threading.enumerate() if th.name.startswith("normscope")],
-        }
-    return results
+    return _fail_fits(out, ASYNC_FAIL_CASES, "fail_async", async_reads=True)
 
 
 SM_EVERY = 3  # windows 0, 2, 5: the last read's outlier moments are step 5's rows
