@@ -240,13 +240,7 @@ def gemma3() -> Built:
     )
 
 
-@_seeded
-def gemma4() -> Built:
-    """Gemma 4 text model: sandwich norms, QK-norms and a scale-free v-norm; scale ``w``.
-
-    Per-layer inputs (PLE) are switched off (``hidden_size_per_layer_input=0``), as in the
-    large Gemma 4 models, so each block is attention then MLP.
-    """
+def _gemma4(per_layer_input: int) -> Built:
     return _llama_like(
         transformers.Gemma4TextConfig,
         transformers.Gemma4ForCausalLM,
@@ -254,9 +248,19 @@ def gemma4() -> Built:
         global_head_dim=8,
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=0,
+        hidden_size_per_layer_input=per_layer_input,
         vocab_size_per_layer_input=VOCAB,
     )
+
+
+@_seeded
+def gemma4() -> Built:
+    """Gemma 4 text model: sandwich norms, QK-norms and a scale-free v-norm; scale ``w``.
+
+    Per-layer inputs (PLE) are switched off (``hidden_size_per_layer_input=0``), as in the
+    large Gemma 4 models, so each block is attention then MLP.
+    """
+    return _gemma4(per_layer_input=0)
 
 
 @_seeded
@@ -265,16 +269,7 @@ def gemma4_ple() -> Built:
 
     The block's last step then adds the MLP branch *and* the per-layer-input branch.
     """
-    return _llama_like(
-        transformers.Gemma4TextConfig,
-        transformers.Gemma4ForCausalLM,
-        head_dim=8,
-        global_head_dim=8,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=VOCAB,
-    )
+    return _gemma4(per_layer_input=8)
 
 
 @_seeded
