@@ -409,6 +409,8 @@ def test_a_listed_subset_of_norms_reads_block_boundaries_and_says_so() -> None:
     for key, layers in (("auto", "auto"), ("two", ["h.0.ln_1", "h.5.ln_2"]), ("all", every)):
         tracker = DeadDirectionTracker(model, layers=layers)
         tracker.attach(forward=lambda: model(x))
+        tracker.detach()
+        tracker.attach()  # hooked again (a monitor kept for a second fit): the note once
         layouts[key] = tracker.layout
         tracker.detach()
     assert len(layouts["auto"].points) == 13 and layouts["auto"].style == "pre-norm"
@@ -417,4 +419,5 @@ def test_a_listed_subset_of_norms_reads_block_boundaries_and_says_so() -> None:
     # blocks 0-4 at their outputs; block 5's listed ln_2 still splits it into attn and mlp
     assert [p.sublayer for p in two.points] == [None] + ["block"] * 5 + ["attn", "mlp"]
     assert two.notes[-1].startswith("found from the 2 listed norm layers of the model's 13")
+    assert sum("listed norm layers" in n for n in two.notes) == 1
     assert not any("listed norm layers" in n for n in layouts["auto"].notes)

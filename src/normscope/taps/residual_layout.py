@@ -9,6 +9,8 @@ from normscope._common import NormscopeError
 
 __all__ = ["ResidualDiscoveryError", "ResidualLayout", "ResidualPoint"]
 
+_FOUND_FROM = "found from the "
+
 
 class ResidualDiscoveryError(NormscopeError, ValueError):
     """No block stack, or a forward pass that does not run one in sequence."""
@@ -65,11 +67,12 @@ class ResidualLayout:
 
     def found_from(self, listed: int, total: int) -> ResidualLayout:
         """This layout, with a note when it was found from ``listed`` of the model's ``total``
-        norm layers (``layers=[...]``): the points and the style notes then know only those."""
-        if listed >= total:
+        norm layers (``layers=[...]``): the points and the style notes then know only those.
+        Once: a layout that has the note already is returned as it is (a tracker hooked again)."""
+        if listed >= total or any(n.startswith(_FOUND_FROM) for n in self.notes):
             return self
         note = (
-            f"found from the {listed} listed norm layers of the model's {total} (layers=): a "
+            f"{_FOUND_FROM}{listed} listed norm layers of the model's {total} (layers=): a "
             "block none of whose norms is listed is read at its boundary, and the other notes "
             "speak of the listed norms only"
         )
