@@ -5,6 +5,8 @@ constructor argument and command-line option is named in its page."""
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import re
 import subprocess
 import warnings
@@ -14,7 +16,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from examples import sources
-from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
+from normscope import DeadDirectionMonitor, DeadDirectionTracker, SignMagnitudeMonitor
+from normscope.cli.options import report_arguments, scan_arguments
+from normscope.monitors.sign_magnitude import SignMagnitudeTracker
 from tests.callbacks.tiny_models import LitTiny
 from tests.reliability.models import fit, read_csv
 
@@ -73,13 +77,14 @@ def test_no_file_of_the_repository_refers_outside_it():
     assert not hits, hits
 
 
-def documented_names() -> set[str]:
-    """Every backquoted name in the key references (a table cell may list several)."""
-    names: set[str] = set()
-    for page in ("monitors.md", "sources.md"):
+def backquoted(*pages: str) -> set[str]:
+    """Every backquoted span of these pages of docs/ (fenced code blocks left out: their
+    triple backquotes would pair the spans wrongly)."""
+    spans: set[str] = set()
+    for page in pages:
         text = re.sub(r"```.*?```", "", (ROOT / "docs" / page).read_text(), flags=re.S)
-        names |= set(re.findall(r"`([^`]+)`", text))
-    return names
+        spans |= set(re.findall(r"`([^`]+)`", text))
+    return spans
 
 
 def logged_keys(tmp_path: Path) -> set[str]:
@@ -109,7 +114,7 @@ def logged_keys(tmp_path: Path) -> set[str]:
 def test_every_logged_key_is_documented(tmp_path):
     """A per-layer key ``dd/<module path>/<metric>`` is documented by its metric's name; a
     run-level key (``dd/<metric>``, ``dd.<source>/<metric>``) by itself or its metric's name."""
-    names = documented_names()
+    names = backquoted("monitors.md", "sources.md")  # a table cell may list several keys
     keys = logged_keys(tmp_path)
     families = {k.split("/")[0] for k in keys}
     assert {"dd", "sm", "dd.code", "dd.prose"} <= families, families  # both fits logged
@@ -123,21 +128,12 @@ def test_every_logged_key_is_documented(tmp_path):
 
 
 def test_every_argument_and_option_is_documented():
-    """Each monitor's every constructor argument is named in docs/monitors.md, each tracker's
-    in docs/plain-pytorch.md or docs/monitors.md, and each option of ``normscope scan`` and
-    ``normscope report`` in docs/cli.md."""
-    import argparse
-    import inspect
+    """Each monitor's every constructor argument is named in docs/monitors.md (or
+    sources.md), each tracker's in docs/plain-pytorch.md or docs/monitors.md, and each option
+    of ``normscope scan`` and ``normscope report`` in docs/cli.md."""
 
-    from normscope import DeadDirectionTracker
-    from normscope.cli.options import report_arguments, scan_arguments
-    from normscope.monitors.sign_magnitude import SignMagnitudeTracker
-
-    def names(*pages: str) -> set[str]:
-        text = "".join((ROOT / "docs" / page).read_text() for page in pages)
-        text = re.sub(r"```.*?```", "", text, flags=re.S)
-        spans = re.findall(r"`([^`]+)`", text)
-        return {w.lstrip("-") for span in spans for w in re.findall(r"[\w-]+", span)}
+    def names(*pages: str) -> set[str]:  # the words of the spans: `--seq-len T` names seq-len
+        return {w.lstrip("-") for span in backquoted(*pages) for w in re.findall(r"[\w-]+", span)}
 
     missing = []
     for cls, pages in (
