@@ -55,7 +55,7 @@ from normscope.functional import (  # noqa: E402
     sigma_min,
     symmetric_eigh,
 )
-from normscope.monitors.dead_direction import DeadDirectionTracker  # noqa: E402
+from normscope.families.dead_direction import DeadDirectionTracker  # noqa: E402
 
 CPU = torch.device("cpu")
 PRIMITIVES = (

@@ -13,7 +13,7 @@ A projection, not a measurement. It combines
   is bound by the memory-bound tridiagonal reduction, not the tensor cores; about 5% of peak)
   with a 10 ms floor, the same relative costs of the reads as measured on the CPU; training at
   40% MFU of 989 TFLOP/s bf16 with 32768 tokens per GPU per step (``6 P T`` flops);
-* the monitor's own layer selection: ``_plan_budget`` of ``normscope.monitors.budget``
+* the monitor's own layer selection: ``_plan_budget`` of ``normscope.families.budget``
   is called on stand-in layers, so a stride is exactly what ``max_memory`` would pick.
 
 Layout: a pre-norm decoder (LLaMA-like) with ``2 L + 1`` norms (two per block and a final
@@ -62,7 +62,7 @@ from normscope.functional import (  # noqa: E402
     kernel_read,
     symmetric_eigh,
 )
-from normscope.monitors.dead_direction import _plan_budget, _tap_cost  # noqa: E402
+from normscope.families.budget import plan_budget as _plan_budget, tap_cost as _tap_cost  # noqa: E402
 from normscope.taps.residual import ResidualPoint  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -1,6 +1,6 @@
 """normscope in a plain PyTorch training loop (nanoGPT style): no Lightning, no Trainer.
 
-``tracker.step(...)`` wraps one optimiser step: it opens the read window on sampled steps
+``monitor.step(batch)`` wraps one optimiser step: it opens the read window on sampled steps
 (snapshotting the gammas the forward runs with), reads on schedule at the end, evaluates the
 alert rules and logs to any callable (a print here; ``wandb.log`` works the same way).
 
@@ -16,7 +16,7 @@ import torch
 
 from examples.data import make_dataloaders
 from examples.nanogpt import GPT, GPTConfig
-from normscope import DeadDirectionTracker
+from normscope import Monitor
 
 
 def main(argv: list[str] | None = None) -> list:
@@ -30,21 +30,23 @@ def main(argv: list[str] | None = None) -> list:
     model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     train, _ = make_dataloaders(block_size=32, batch_size=16, max_bytes=300_000)
-    tracker = DeadDirectionTracker(model)  # normscope
 
     def log(metrics: dict, step: int) -> None:  # or wandb.log
         print(f"step {step}: sigma_min_ratio_min {metrics['dd/sigma_min_ratio_min']:.3f}")
+
+    monitor = Monitor.dead_direction(model, every_n_steps=args.every, log=log)  # normscope
 
     alerts = []
     for it, (x, y) in zip(range(args.steps), train):
         if it == args.cancel_at:
             model.transformer.h[1].mlp.set_cancel(0.95)
-        with tracker.step((x, y), every_n_steps=args.every, log=log) as read:  # normscope
+        with monitor.step((x, y)) as read:  # normscope
             _, loss = model(x, y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         alerts += read.alerts
+    monitor.close()  # normscope: the summary, the hooks removed
     # -------------------------------------------------------------------------------------------
     for alert in alerts:
         print(f"alert at step {alert.step}: {alert.message}")

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from examples import sources
 from normscope import DeadDirectionMonitor, DeadDirectionTracker, SignMagnitudeMonitor
 from normscope.cli.options import report_arguments, scan_arguments
-from normscope.monitors.sign_magnitude import SignMagnitudeTracker
+from normscope.families.sign_magnitude import SignMagnitudeTracker
 from tests.callbacks.tiny_models import LitTiny
 from tests.reliability.models import fit, read_csv
 

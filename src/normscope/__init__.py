@@ -1,6 +1,6 @@
 """normscope: watch the geometry of a transformer's normalisation layers and residual stream.
 
-    from normscope import DeadDirectionMonitor, scan_model
+    from normscope import DeadDirectionMonitor, Monitor, scan_model
 
 The public names are imported lazily, so that ``import normscope.functional`` does not pull in
 Lightning.
@@ -14,13 +14,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "DeadDirectionMonitor": "normscope.callbacks.dead_direction",
-    "DeadDirectionTracker": "normscope.monitors.dead_direction",
-    "DeadDirectionReport": "normscope.monitors.dead_direction",
-    "scan_model": "normscope.monitors.scan",
-    "SignMagnitudeMonitor": "normscope.callbacks.sign_magnitude",
-    "SignMagnitudeTracker": "normscope.monitors.sign_magnitude",
+    "DeadDirectionMonitor": "normscope.adapters.lightning",
+    "SignMagnitudeMonitor": "normscope.adapters.lightning",
+    "Monitor": "normscope.engine",
+    "DeadDirectionTracker": "normscope.families",
+    "DeadDirectionReport": "normscope.families",
+    "SignMagnitudeTracker": "normscope.families",
+    "scan_model": "normscope.families",
     "NormscopeError": "normscope._common",
+    "ConfigurationError": "normscope._common",
 }
 
 __all__ = ["__version__", *_LAZY]

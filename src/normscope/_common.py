@@ -11,11 +11,26 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import warnings
 from typing import Any
 
-__all__ = ["NormscopeError", "disabled_message", "fmt", "fmt_bytes", "warn_disabled"]
+__all__ = [
+    "ConfigurationError",
+    "NormscopeError",
+    "disabled_message",
+    "fmt",
+    "fmt_bytes",
+    "is_rank_zero",
+    "say",
+    "warn_disabled",
+    "warn_rank_zero",
+]
+
+#: the package's logger: read lines, summaries, notes at INFO; alerts at WARNING
+logger = logging.getLogger("normscope")
 
 
 class NormscopeError(Exception):
@@ -25,6 +40,41 @@ class NormscopeError(Exception):
     a model without norm layers or a path that is no run), so ``except ValueError`` keeps
     working; ``except NormscopeError`` catches all of them.
     """
+
+
+class ConfigurationError(NormscopeError, ValueError):
+    """A monitor asked for something it cannot do (a bad argument, no norm layer, an unknown
+    layer name, a strategy it cannot read): raised before training starts. The Lightning
+    adapters raise it as Lightning's ``MisconfigurationException``."""
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is rank zero of ``torch.distributed`` (True without it)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return True
+
+
+def say(message: str) -> None:
+    """Tell a person something (a read line, a summary, a note), on rank zero: the ``normscope``
+    logger at INFO, which prints to stderr unless the application configured it."""
+    if not is_rank_zero():
+        return
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    logger.info(message)
+
+
+def warn_rank_zero(message: str, stacklevel: int = 3) -> None:
+    """``warnings.warn(message)`` (a ``UserWarning``) on rank zero only."""
+    if is_rank_zero():
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
 
 def fmt(value: Any, spec: str = ".4g", *, finite: bool = False) -> str:

@@ -14,9 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule
-from normscope.callbacks.async_reads import default_async
-from normscope.integrations.loop import LoopView
-from normscope.monitors import read_window
+from normscope.families import dead_direction_read as read_window
 from tests.callbacks.test_dead_direction_monitor import fit, read_csv, rows_with
 from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
 
@@ -37,15 +35,15 @@ def _slow_worker(monkeypatch, seconds: float) -> None:
     """Solves that take ``seconds`` more: the reads are published steps after their own."""
     import time
 
-    from normscope.callbacks import async_reads
+    from normscope.families import dead_direction_family
 
-    real = async_reads.solve_window
+    real = dead_direction_family.solve_window
 
     def slow(*args, **kw):
         time.sleep(seconds)
         return real(*args, **kw)
 
-    monkeypatch.setattr(async_reads, "solve_window", slow)
+    monkeypatch.setattr(dead_direction_family, "solve_window", slow)
 
 
 def _run(tmp_path, async_reads, steps=12, every=2, **kw):
@@ -147,10 +145,10 @@ def test_no_thread_is_left_behind_on_an_exception(tmp_path, monkeypatch, error):
 
 
 def test_a_failed_solve_warns_once_disables_and_the_fit_goes_on(tmp_path, monkeypatch):
-    def broken(tracker, window, out):
+    def broken(tracker, window, job, out):
         raise ValueError("no LAPACK today")
 
-    monkeypatch.setattr(read_window, "_solve_all", broken)
+    monkeypatch.setattr(read_window, "_solve_job", broken)
     torch.manual_seed(0)
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False, async_reads=True)
     with pytest.warns(UserWarning, match="no LAPACK today") as caught:
@@ -164,7 +162,7 @@ def test_a_failed_solve_warns_once_disables_and_the_fit_goes_on(tmp_path, monkey
 def test_a_layer_that_fails_in_the_worker_is_disabled_alone(tmp_path, monkeypatch):
     """A norm layer's read failing on the worker: that layer is disabled (one warning, from the
     main thread at the publish), the others are read, as in a synchronous read."""
-    real = read_window._read_norm
+    real = read_window._solve_norm
 
     def flaky(tracker, window, norm, out):
         if norm.name == "model.h.0.ln_1":
@@ -172,7 +170,7 @@ def test_a_layer_that_fails_in_the_worker_is_disabled_alone(tmp_path, monkeypatc
             return
         real(tracker, window, norm, out)
 
-    monkeypatch.setattr(read_window, "_read_norm", flaky)
+    monkeypatch.setattr(read_window, "_solve_norm", flaky)
     torch.manual_seed(0)
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False, async_reads=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -195,32 +193,34 @@ def test_a_checkpoint_with_a_read_in_flight_holds_it(tmp_path):
     state = next(v for k, v in saved["callbacks"].items() if k.startswith("DeadDirection"))
     assert state["reads"] == monitor.reads == 2
     assert state["last_read_step"] == 4
-    assert state["baselines"] == monitor.tracker.baselines
+    assert state["family"]["baselines"] == monitor.tracker.baselines
 
 
-def test_the_default_is_off_in_plain_loops_and_reports_come_at_the_publish():
-    """Plain loops (a :class:`LoopView`) read synchronously by default; with
-    ``async_reads=True`` a step's :class:`StepResult` carries the report published at it."""
-    assert default_async(LoopView()) is False
-    assert default_async(L.Trainer(accelerator="cpu", logger=False)) is False  # CPU: measured
+def test_the_default_is_off_in_plain_loops_and_reports_come_at_the_publish(tmp_path):
+    """A plain loop (the engine alone) and a Lightning ``Trainer`` on the CPU read
+    synchronously by default; with ``async_reads=True`` a step's :class:`StepResult` carries the
+    report published at it."""
+    from normscope import Monitor
+
     torch.manual_seed(0)
+    monitor, _, _ = _run(tmp_path, None, steps=4)
+    assert monitor.engine._async is False  # CPU: measured, no gain
     model = TinyLM()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    from normscope import DeadDirectionTracker
-
-    tracker = DeadDirectionTracker(model)
+    assert Monitor.dead_direction(TinyLM(), verbose=False)._async_default is False
+    engine = Monitor.dead_direction(model, every_n_steps=2, async_reads=True, verbose=False)
     got = []
     for x, y in token_loader(n=128):
-        with tracker.step((x, y), every_n_steps=2, async_reads=True) as result:
+        with engine.step((x, y)) as result:
             loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             opt.step()
             opt.zero_grad()
         got.append(result.report.step if result.report is not None else None)
-    tracker._normscope_watch.close()
+    engine.close()
     published = [s for s in got if s is not None]
-    # each report at or after the step it belongs to (global_step i + 1 after step i)
+    # each report at or after the step it belongs to (step i + 1 after step i)
     assert published and all(s <= i + 1 for i, s in enumerate(got) if s is not None)
     assert published == sorted(published)
-    assert tracker._normscope_watch.monitor.last_read_step == 8
+    assert engine._async is True and engine.last_read_step == 8
     assert not _workers()

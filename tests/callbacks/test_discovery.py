@@ -369,7 +369,7 @@ def test_plain_scan_and_tracker_reports_carry_profile_points():
     """``dd/profile_points`` comes with every report, not only the callback's: a scan of the
     tiny LM reads 5 points; a tracker without the profile says 0."""
     from normscope import DeadDirectionTracker
-    from normscope.monitors.scan import scan_model
+    from normscope.families.scan import scan_model
     from tests.callbacks.tiny_models import TinyLM
 
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
-from normscope.monitors.names import canonical_metrics, named_metrics, parse_family
+from normscope.families.names import canonical_metrics, named_metrics, parse_family
 from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
 
 torch.set_num_threads(1)
@@ -73,44 +73,31 @@ def test_two_named_monitors_log_their_own_keys_on_their_own_steps(two_monitor_ru
     assert "dd[fast]/sigma_min_ratio_min" in trainer.callback_metrics
     assert "dd[all]/sigma_min_ratio_min" in trainer.callback_metrics
     assert fast.state_key != full.state_key
-    assert "'name': \"'fast'\"" in fast.state_key
+    assert fast.state_key == "DeadDirectionMonitor[fast]"
 
 
-def test_default_monitors_keep_their_old_state_key():
-    """Checkpoints of earlier versions resume a default monitor: Lightning's
-    ``_generate_state_key(every_n_steps=..., layers=str(layers))``; ``verbose``,
-    ``overhead_warn`` and ``alerts`` leave the key as it was."""
-    assert DeadDirectionMonitor().state_key == (
-        "DeadDirectionMonitor{'every_n_steps': 50, 'layers': 'auto'}"
-    )
-    assert DeadDirectionMonitor(every_n_steps=5, verbose=False, alerts=()).state_key == (
-        "DeadDirectionMonitor{'every_n_steps': 5, 'layers': 'auto'}"
-    )
-    assert SignMagnitudeMonitor(layers=["a"]).state_key == (
-        "SignMagnitudeMonitor{'every_n_steps': 50, 'layers': \"['a']\"}"
-    )
-    # deterministic and free of memory addresses: callables by qualified name
-    a = DeadDirectionMonitor(sources=len, example_forward=lambda m, b: m(b[0]))
-    b = DeadDirectionMonitor(sources=len, example_forward=lambda m, b: m(b[0]))
-    assert a.state_key == b.state_key and "0x" not in a.state_key
-    assert "builtins.len" in a.state_key and "<lambda>" in a.state_key
-    # a rule's thresholds count
-    from normscope.alerts import SigmaMinRatioRule
-
-    r1 = DeadDirectionMonitor(rules=[SigmaMinRatioRule(tolerance=0.1)])
-    r2 = DeadDirectionMonitor(rules=[SigmaMinRatioRule(tolerance=0.3)])
-    assert r1.state_key != r2.state_key
+def test_the_state_key_is_the_family_and_the_name():
+    """A checkpoint keys a monitor's state by its family and ``name``, nothing else: the same
+    key in every process, whatever else the arguments say."""
+    assert DeadDirectionMonitor().state_key == "DeadDirectionMonitor"
+    assert DeadDirectionMonitor(every_n_steps=5, tolerance=0.1).state_key == "DeadDirectionMonitor"
+    assert SignMagnitudeMonitor(name="probe").state_key == "SignMagnitudeMonitor[probe]"
 
 
-def test_monitors_differing_only_in_tolerance_coexist(tmp_path):
+def test_two_unnamed_monitors_of_one_family_are_refused_and_names_fix_it(tmp_path):
+    """Each monitor's checkpoint state is keyed by its family and name: two unnamed
+    dead-direction monitors in one Trainer are refused (Lightning names the state key), and a
+    name each makes them coexist."""
     torch.manual_seed(0)
     loose = DeadDirectionMonitor(every_n_steps=2, verbose=False)
     strict = DeadDirectionMonitor(every_n_steps=2, tolerance=0.05, verbose=False)
-    assert loose.state_key != strict.state_key
-    trainer = cpu_trainer(4, [loose, strict])
-    with pytest.warns(UserWarning, match=r"log the same keys.*name="):
-        trainer.fit(LitTiny(), train_dataloaders=token_loader())
-    assert loose.reads == strict.reads == 2  # no refusal from Lightning: both read
+    assert loose.state_key == strict.state_key
+    with pytest.raises(RuntimeError, match="state_key"):
+        cpu_trainer(4, [loose, strict]).fit(LitTiny(), train_dataloaders=token_loader())
+    loose = DeadDirectionMonitor(every_n_steps=2, verbose=False, name="loose")
+    strict = DeadDirectionMonitor(every_n_steps=2, tolerance=0.05, verbose=False, name="strict")
+    quiet_fit(cpu_trainer(4, [loose, strict]), LitTiny())
+    assert loose.reads == strict.reads == 2
     assert strict.sigma_rule.threshold == pytest.approx(0.95)
 
 
@@ -138,7 +125,7 @@ def test_checkpoint_resumes_each_monitor_with_its_own_state(tmp_path):
     # each restored its own counters, then read on: fast at 8 and 10, slow at 9
     assert [m.reads for m in second] == [5, 4]
     assert [m.last_read_step for m in second] == [10, 9]
-    assert all(m._baselines or m.tracker.baselines for m in second)
+    assert all(m.tracker.baselines for m in second)
 
 
 def test_rules_see_canonical_keys_and_alerts_name_the_monitor(tmp_path):

@@ -45,20 +45,3 @@ def test_reordered_rules_restore_by_name():
         SignMagnitudeMonitor(verbose=False, alerts=()).state_dict()
     )
     assert c.count == 7
-
-
-def test_a_checkpoint_with_the_list_form_still_loads_by_position():
-    old = DeadDirectionMonitor(rules=[CountRule("a", 1), CountRule("b", 2)], verbose=False)
-    state = old.state_dict()
-    state["rules"] = [rule.state_dict() for rule in old.rules]  # earlier versions' form
-    a, b = CountRule("a"), CountRule("b")
-    resumed = DeadDirectionMonitor(rules=[a, b], verbose=False)
-    resumed.load_state_dict(state)
-    assert (a.count, b.count) == (1, 2)
-    assert resumed.sigma_rule.state_dict() == old.sigma_rule.state_dict()
-    sm = SignMagnitudeMonitor(rules=[CountRule("x", 5)], verbose=False)
-    sm_state = sm.state_dict()
-    sm_state["rules"] = [rule.state_dict() for rule in sm.rules]
-    x = CountRule("x")
-    SignMagnitudeMonitor(rules=[x], verbose=False).load_state_dict(sm_state)
-    assert x.count == 5

@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
-from normscope.monitors.sign_magnitude import SignMagnitudeTracker, find_block_linears
+from normscope.families.sign_magnitude import SignMagnitudeTracker, find_block_linears
 from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
 
 

@@ -166,31 +166,25 @@ def monitor_args(family: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- plain PyTorch
 def run_plain(family: str = "dd") -> tuple[dict[int, dict[str, float]], list[Any]]:
-    """``tracker.step(batch, ...)`` around each optimiser step, ``log=`` a function."""
-    from normscope import DeadDirectionTracker, SignMagnitudeTracker
+    """``monitor.step(batch)`` (the engine, no adapter) around each optimiser step, ``log=`` a
+    function."""
+    from normscope import Monitor
 
     model = model_for(family)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    if family == "dd":
-        tracker: Any = DeadDirectionTracker(model, max_rows_per_step=None)
-    else:
-        tracker = SignMagnitudeTracker(model)
+    build = Monitor.dead_direction if family == "dd" else Monitor.sign_magnitude
     reads: dict[int, dict[str, float]] = {}
+    log = lambda m, step: reads.__setitem__(step, family_only(m, family))  # noqa: E731
+    monitor = build(model, log=log, **monitor_args(family))
     alerts: list[Any] = []
     for _, batch in zip(range(STEPS), _repeat(loader())):
-        with tracker.step(
-            batch, log=lambda m, step: reads.__setitem__(step, family_only(m, family)), **_args()
-        ) as result:
+        with monitor.step(batch) as result:
             model(**batch).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
         alerts += result.alerts
-    tracker._normscope_watch.close()
+    monitor.close()
     return reads, alerts
-
-
-def _args() -> dict[str, Any]:
-    return {k: v for k, v in MONITOR_ARGS.items() if k != "max_rows_per_step"}  # the tracker's
 
 
 def _repeat(dl: DataLoader):
@@ -235,7 +229,7 @@ def run_hf(
     tmp: Path, family: str = "dd", report_to: str = "tensorboard", **extra: Any
 ) -> tuple[dict[int, dict[str, float]], Any]:
     """A real ``transformers.Trainer`` (plain SGD, constant learning rate, no clipping)."""
-    from normscope.integrations.transformers import DeadDirectionCallback, SignMagnitudeCallback
+    from normscope.adapters.transformers import DeadDirectionCallback, SignMagnitudeCallback
 
     cls = DeadDirectionCallback if family == "dd" else SignMagnitudeCallback
     callback = cls(**{**monitor_args(family), **extra})
@@ -261,6 +255,7 @@ def run_hf(
     )
     # The model's own mean loss, as the other loops take it (HF would otherwise divide the summed
     # loss by its count of unshifted labels, a different scale: different SGD steps)
+    callback.bind(trainer)
     trainer.model_accepts_loss_kwargs = False
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # no console rows
     trainer.train()

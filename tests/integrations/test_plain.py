@@ -123,7 +123,7 @@ def test_fabric_sharded_strategies_are_refused():
     from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    from normscope.integrations.fabric import _check_fabric_strategy
+    from normscope.adapters.fabric import _check_fabric_strategy
 
     for cls in (FSDPStrategy, DeepSpeedStrategy):
         strategy = cls.__new__(cls)  # DeepSpeed is not installed: no __init__

@@ -20,7 +20,7 @@ from torch import nn
 
 from normscope import DeadDirectionMonitor, scan_model
 from normscope.alerts import CallableRule
-from normscope.monitors.dead_direction import DeadDirectionTracker
+from normscope.families.dead_direction import DeadDirectionTracker
 from tests.callbacks.tiny_models import LitTiny, TinyLM, cpu_trainer, token_loader
 
 torch.set_num_threads(1)
@@ -137,7 +137,7 @@ def test_every_point_folds_the_same_sampled_rows():
     with torch.no_grad(), tracker.gate.sampling():
         for x in xs:
             model(x)
-    taps = tracker._point_taps
+    taps = tracker.point_taps
     assert [t.accumulator.count for t in taps] == [4 * 48] * 5
     assert torch.equal(taps[1].accumulator.second_moment(), taps[2].accumulator.second_moment())
     assert tracker.taps.chain.cross[1].count == 4 * 48
@@ -231,27 +231,4 @@ def test_a_failing_cross_moment_disables_the_margin_only():
     assert not report.profile.margin_measured
     assert all(math.isfinite(p.sigma_min) for p in report.profile.points)
     assert len(report.norms) == 5 and report.failed_taps == {}
-    tracker.detach()
-
-
-def test_a_version_1_state_does_not_pass_its_quotients_off_as_baselines():
-    """Version 1 saved R_q as the baselines (no baseline_rows): they are dropped, so the next
-    read is the new baseline (Delta_gamma 0) instead of a ratio of two different quantities."""
-    torch.manual_seed(0)
-    model = Stack()
-    xs = batches(1)
-    tracker = DeadDirectionTracker(model)
-    tracker.attach(forward=lambda: model(xs[0]))
-    tracker.load_state_dict({"baselines": {"ln_f": 0.05}, "taps": {}})
-    assert tracker.baselines == {}
-    with torch.no_grad(), tracker.gate.sampling():
-        model(xs[0])
-    assert tracker.read(0, reduce=False).norms["ln_f"].schur.delta_gamma == 0.0
-    monitor = DeadDirectionMonitor()
-    monitor.load_state_dict({"reads": 3, "baselines": {"model.ln_f": 0.05}})
-    assert monitor._baselines == {}
-    monitor.load_state_dict(
-        monitor.state_dict() | {"baselines": {"a": 1.0}, "baseline_rows": {"a": 9}}
-    )
-    assert monitor._baselines == {"a": 1.0} and monitor._rows == {"a": 9}
     tracker.detach()

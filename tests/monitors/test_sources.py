@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from examples import sources as example
-from normscope import DeadDirectionTracker, scan_model
+from normscope import Monitor, DeadDirectionTracker, scan_model
 from normscope.alerts import SigmaMinRatioRule, SourceCollapseRule
 from normscope.functional import StreamingCovariance
-from normscope.integrations.layers import select_layers
-from normscope.monitors.dead_direction import _tap_cost
-from normscope.monitors.scan import call_model
-from normscope.monitors.sources import below_floor, classify_collapses
+from normscope.engine.publish import select_layers
+from normscope.families.budget import tap_cost as _tap_cost
+from normscope.families.scan import call_model
+from normscope.alerts.sources import below_floor, classify_collapses
 
 torch.set_num_threads(1)
 
@@ -60,7 +60,7 @@ def test_pooled_read_unchanged_and_sources_merge_to_it():
     split = run_tracker(m, batches, sources="source")
     # the per-source accumulators, Chan-merged, are the pooled ones
     assert sorted(split.split.accs) == ["code", "prose"]
-    for k, tap in enumerate(split._point_taps):
+    for k, tap in enumerate(split.point_taps):
         merged = StreamingCovariance(tap.dim)
         for name in ("code", "prose"):
             merged.merge(split.split.accs[name][k])
@@ -172,7 +172,7 @@ def test_max_memory_covers_the_per_source_accumulators():
     full = run_tracker(m, batches, sources="source", max_sources=2)
     need = full.memory_bytes()
     pooled = run_tracker(m, batches).memory_bytes()
-    assert need == pooled + 2 * len(full._point_taps) * 8 * 16 * 16
+    assert need == pooled + 2 * len(full.point_taps) * 8 * 16 * 16
     fits = run_tracker(m, batches, sources="source", max_sources=2, max_memory=need)
     assert fits.split is not None and fits.memory_bytes() <= need
     # the per-source accumulators come after the profile and its margin, before the norm
@@ -237,13 +237,15 @@ def test_plain_loop_step_with_sources():
     torch.manual_seed(0)
     m = example.SourceLM()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    tracker = DeadDirectionTracker(m, sources="source")
     logged = []
     reports = []
+    monitor = Monitor.dead_direction(
+        m, sources="source", every_n_steps=4, log=logged.append, alerts=(), verbose=False
+    )
     for step, batch in enumerate(mixture_batches(n=256) * 2):
         if step == 5:
             m.set_cancel(1, 0.95, gated=True)
-        with tracker.step(batch, every_n_steps=4, log=logged.append, alerts=()) as result:
+        with monitor.step(batch) as result:
             logits = m(batch["input_ids"])
             loss = torch.nn.functional.cross_entropy(
                 logits[:, :-1].flatten(0, 1), batch["input_ids"][:, 1:].flatten()
@@ -257,12 +259,12 @@ def test_plain_loop_step_with_sources():
     assert reports[0]["dd/collapse_class"] == 0.0
     assert reports[-1]["dd/collapse_class"] == 2.0
     assert any("dd.prose/n_rows" in m for m in logged)
-    watch = tracker._normscope_watch
-    assert any(a.rule == "source_collapse" for a in watch.monitor.alerts_fired)
+    monitor.close()
+    assert any(a.rule == "source_collapse" for a in monitor.alerts_fired)
 
 
 def test_read_line_names_the_sources_and_the_class():
-    from normscope.monitors.format import format_read_line
+    from normscope.families.format import format_read_line
 
     r = scan_model(model("source"), mixture_batches(), sources="source")
     line = format_read_line(r)

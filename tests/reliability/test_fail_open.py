@@ -16,8 +16,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
-from normscope.monitors.format import format_read_line
-from normscope.monitors.sign_magnitude import SignMagnitudeTracker
+from normscope.families.format import format_read_line
+from normscope.families.sign_magnitude import SignMagnitudeTracker
 from tests.reliability.models import (
     DDFailingCSVLogger,
     LitSparse,
@@ -131,14 +131,14 @@ def test_failing_read_of_one_layer_disables_that_layer_only(tmp_path):
     trainer = L.Trainer(logger=False, accelerator="cpu")
     monitor.setup(trainer, module, "fit")  # the tracker, to patch one of its reads
     tracker = monitor.tracker
-    real_read_norm = tracker._read_norm
+    real_read_norm = tracker.read_norm
 
-    def read_norm(norm):
+    def read_norm(norm, *taps_and_gamma):
         if norm.name == "model.h.0.ln_2":
             raise FloatingPointError("injected failure in one layer's read")
-        return real_read_norm(norm)
+        return real_read_norm(norm, *taps_and_gamma)
 
-    tracker._read_norm = read_norm
+    tracker.read_norm = read_norm
     with recorded_warnings() as records:
         trainer = fit(tmp_path, module, [monitor], steps=4)
     failures = normscope_failures(records)

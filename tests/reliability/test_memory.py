@@ -13,7 +13,7 @@ import torch
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
-from normscope.monitors.dead_direction import DeadDirectionTracker
+from normscope.families.dead_direction import DeadDirectionTracker
 from normscope.taps.hooks import TapSet
 from tests.reliability.models import (
     FreeLayerNorm,
@@ -184,7 +184,7 @@ def test_per_read_state_of_the_callbacks_stays_bounded(tmp_path):
         every_n_steps=1, rules=[every_read], tolerance=1.0, alerts=(), verbose=False
     )  # tolerance 1: the collapse rule never fires, only the heartbeat
     sm = SignMagnitudeMonitor(every_n_steps=1, probe_layers=(), alerts=(), verbose=False)
-    dd.keep_last = sm.keep_last = 5
+    dd.engine.keep_last = sm.engine.keep_last = 5
     sizes = []
 
     class Census(L.Callback):

@@ -96,13 +96,13 @@ def test_dead_direction_monitor_resumes_a_run_killed_mid_window(tmp_path, ckpt):
     state = saved["callbacks"][second.state_key]
     assert second.reads == state["reads"] + len(steps)
     # baselines kept: deepening = s_first_run_baseline / s_now (issue 18) at every resumed read
-    assert second.tracker.baselines == first.tracker.baselines == state["baselines"]
-    assert second.tracker.baseline_rows == first.tracker.baseline_rows == state["baseline_rows"]
+    assert second.tracker.baselines == first.tracker.baselines == state["family"]["baselines"]
+    assert second.tracker.baseline_rows == first.tracker.baseline_rows == state["family"]["baseline_rows"]
     for r in rows_with(rows, "dd/sigma_min_ratio_min"):
-        for layer, r_base in state["baselines"].items():
+        for layer, r_base in state["family"]["baselines"].items():
             r_now = float(r[f"dd/{layer}/schur_complement"])
             deepening = float(r[f"dd/{layer}/deepening"])
-            n_now, n_base = float(r[f"dd/{layer}/n_rows"]), state["baseline_rows"][layer]
+            n_now, n_base = float(r[f"dd/{layer}/n_rows"]), state["family"]["baseline_rows"][layer]
             if abs(16 / n_now - 16 / n_base) <= 0.02:  # rows comparable (d = 16)
                 assert deepening == pytest.approx(r_base / r_now, rel=1e-12)
             else:  # the partial window after the restart: another row count, no Delta_gamma
@@ -128,7 +128,7 @@ def test_sign_magnitude_monitor_resumes_a_run_killed_mid_window(tmp_path):
         norm="rmsnorm",
     )
     state = saved["callbacks"][second.state_key]
-    signs = state["tracker"]["prev_signs"]
+    signs = state["family"]["prev_signs"]
     assert signs and all(t.dtype == torch.int8 for t in signs.values())
     rows = read_csv(trainer)
     steps = logged_steps(rows, "sm/sign_churn_mean")

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
-from normscope.callbacks._base import check_strategy
+from normscope.adapters.lightning import check_strategy
 from tests.callbacks.tiny_models import cpu_trainer
 from tests.scaleout.distributed_fits import LitSharded
 from tests.scaleout.expected import single_process_reads

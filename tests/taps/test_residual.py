@@ -398,7 +398,7 @@ def test_a_listed_subset_of_norms_reads_block_boundaries_and_says_so() -> None:
     norms alone, so five blocks are read at their boundaries (8 points, not 13), and the
     layout's last note says the other notes know only the listed norms; all 13 listed is the
     same layout as "auto", with no such note."""
-    from normscope.monitors import DeadDirectionTracker
+    from normscope.families import DeadDirectionTracker
     from tests.callbacks.tiny_models import TinyLM
 
     torch.manual_seed(0)

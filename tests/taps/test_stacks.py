@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from normscope.monitors.sign_magnitude import find_block_linears
+from normscope.families.sign_magnitude import find_block_linears
 from normscope.taps.stacks import longest_stack, same_class_stacks
 from tests.callbacks.tiny_models import TinyLM
 from tests.hf_models import HF_ARCHITECTURES, build_hf_model

@@ -19,7 +19,8 @@ from __future__ import annotations
 from normscope.alerts.defaults import default_dead_direction_rules
 from normscope.alerts.records import Alert, AlertRule
 from normscope.alerts.rules import CallableRule, KernelLossRule, OutlierRule, SignChurnSpikeRule
-from normscope.alerts.sigma import SigmaMinRatioRule, SourceCollapseRule
+from normscope.alerts.sigma import SigmaMinRatioRule
+from normscope.alerts.sources import SourceCollapseRule
 from normscope.alerts.sinks import CallableSink, LogSink, WandbSink, build_sinks
 
 __all__ = [

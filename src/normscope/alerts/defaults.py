@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from normscope.alerts.rules import KernelLossRule
-from normscope.alerts.sigma import SigmaMinRatioRule, SourceCollapseRule
+from normscope.alerts.sigma import SigmaMinRatioRule
+from normscope.alerts.sources import SourceCollapseRule
 
 __all__ = ["default_dead_direction_rules"]
 

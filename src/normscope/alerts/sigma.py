@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from normscope.alerts.records import Alert
+from normscope.functional.profile import ratio_bounds
 
 __all__ = ["SigmaMinRatioRule", "SourceCollapseRule"]
 
@@ -137,8 +138,6 @@ class SigmaMinRatioRule:
         ``"no_finite_ratio"``). Otherwise ``metric`` names the smallest watched ratio below
         (or the smallest one), ``value`` its value.
         """
-        from normscope.functional.profile import ratio_bounds
-
         per_dim = values.get("rows_per_dim", math.nan)
         rows = values.get("n_rows", math.nan)
         thr = self.threshold if threshold is None else threshold
@@ -303,64 +302,3 @@ class SigmaMinRatioRule:
         self.reads = int(state.get("reads", 0))
         self.below = {str(k): int(v) for k, v in state.get("below", {}).items()}
         self.previous_step = {str(k): float(v) for k, v in state.get("previous_step", {}).items()}
-
-
-class SourceCollapseRule:
-    """A collapse classified over the sources (``sources=``; :mod:`normscope.monitors.sources`):
-    fires once per point and class when a point is classified ``intrinsic`` or
-    ``distribution-dependent`` (``undetermined`` too with ``undetermined=True``), naming the
-    sources below, e.g. ``collapse at h.3 after mlp under source 'code' only``. Fires again
-    only after that point has left the class for a read.
-
-    Args:
-        sigma_rule: the :class:`SigmaMinRatioRule` whose ``threshold`` is the floor (default
-            ``SigmaMinRatioRule()``); the monitor passes its own.
-        undetermined: also alert on points below somewhere that no two sources decide.
-    """
-
-    name = "source_collapse"
-
-    def __init__(self, sigma_rule: SigmaMinRatioRule | None = None, undetermined: bool = False):
-        self.sigma_rule = sigma_rule if sigma_rule is not None else SigmaMinRatioRule()
-        self.undetermined = undetermined
-        self.sublayers: dict[str, str | None] = {}  # by point; the monitor fills it
-        self.firing: set[str] = set()  # "point|kind"
-
-    @property
-    def threshold(self) -> float:
-        return self.sigma_rule.threshold
-
-    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
-        from normscope.monitors.sources import classify_collapses, describe
-
-        collapses = classify_collapses(metrics, self.sigma_rule)
-        now = {f"{c.point}|{c.kind}" for c in collapses}
-        self.firing &= now
-        alerts = []
-        for c in collapses:
-            tag = f"{c.point}|{c.kind}"
-            if tag in self.firing or (c.kind == "undetermined" and not self.undetermined):
-                continue
-            self.firing.add(tag)
-            sub = self.sublayers.get(c.point)
-            value = min(c.values[s] for s in c.below) if c.below else math.nan
-            alerts.append(
-                Alert(
-                    self.name,
-                    f"dd/{c.point}/collapse_class",
-                    step,
-                    float(value),
-                    self.threshold,
-                    f"residual stream sigma_min: {describe(c, sub)} at step {step} "
-                    f"(threshold {self.threshold:.3g})",
-                    point=c.point,
-                    sublayer=sub,
-                )
-            )
-        return alerts
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"firing": sorted(self.firing)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.firing = set(state.get("firing", []))

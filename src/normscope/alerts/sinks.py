@@ -18,7 +18,7 @@ logger = logging.getLogger("normscope")
 class LogSink:
     """Python logging (logger ``normscope``) plus a warning, so that a console shows it."""
 
-    def __call__(self, alert: Alert, trainer: Any = None) -> None:
+    def __call__(self, alert: Alert, runs: Sequence[Any] = ()) -> None:
         import warnings
 
         logger.warning(alert.message)
@@ -36,8 +36,8 @@ class WandbSink:
         self.min_interval_s = min_interval_s
         self._last: dict[tuple[str, str], float] = {}
 
-    def __call__(self, alert: Alert, trainer: Any = None) -> None:
-        runs = _wandb_runs(trainer)
+    def __call__(self, alert: Alert, runs: Sequence[Any] = ()) -> None:
+        """Alert on ``runs``: the W&B runs the monitor logs to (none: nothing to do)."""
         if not runs:
             return
         now = time.monotonic()
@@ -62,18 +62,8 @@ class CallableSink:
     def __init__(self, fn: Callable[[Alert], Any]) -> None:
         self.fn = fn
 
-    def __call__(self, alert: Alert, trainer: Any = None) -> None:
+    def __call__(self, alert: Alert, runs: Sequence[Any] = ()) -> None:
         self.fn(alert)
-
-
-def _wandb_runs(trainer: Any) -> list[Any]:
-    if trainer is None:
-        return []
-    try:
-        from lightning.pytorch.loggers import WandbLogger
-    except ImportError:  # pragma: no cover
-        return []
-    return [lg.experiment for lg in getattr(trainer, "loggers", []) if isinstance(lg, WandbLogger)]
 
 
 def build_sinks(spec: Iterable[str | Callable[..., Any]] | str | None) -> list[Callable[..., Any]]:

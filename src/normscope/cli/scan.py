@@ -29,8 +29,8 @@ from normscope.cli.loading import load_model
 from normscope.cli.options import DEFAULT_TOKENS
 from normscope.cli.scan_result import PLOTS as PLOTS
 from normscope.cli.scan_result import default_alerts, scan_result, write_scan_outputs
-from normscope.monitors.dead_direction import DeadDirectionReport
-from normscope.monitors.scan import scan_model
+from normscope.families.dead_direction import DeadDirectionReport
+from normscope.families.scan import scan_model
 from normscope.taps.norms import NormDiscoveryError, find_norm_layers
 
 __all__ = ["default_alerts", "format_scan_table", "run", "scan_result", "write_scan_outputs"]

@@ -22,6 +22,7 @@ cross-moments between neighbours.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,6 +36,8 @@ from normscope.taps.chain import PointChain
 
 __all__ = [
     "Accumulator",
+    "compiled",
+    "eager_forwards",
     "Gate",
     "Tap",
     "TapSet",
@@ -174,6 +177,9 @@ class TapSet:
         self.taps: dict[tuple[str, str], Tap] = {}
         self._handles: dict[tuple[str, str], Any] = {}
         self.chain: PointChain | None = None  # the residual points: same rows, cross-moments
+        # the hooks hold this set weakly: once its owner (a monitor) is gone, the set is
+        # collected and this removes every hook it left on the model
+        weakref.finalize(self, _remove_handles, self._handles)
 
     def add(
         self,
@@ -206,10 +212,11 @@ class TapSet:
                 acc = make(dim, device)
             tap = self.taps[key] = Tap(module_name, where, dim, acc)
         if key not in self._handles:
+            hook = _TapHook(self, tap)
             if where == "input":
-                handle = module.register_forward_pre_hook(self._pre_hook(tap), with_kwargs=True)
+                handle = module.register_forward_pre_hook(hook, with_kwargs=True)
             else:
-                handle = module.register_forward_hook(self._post_hook(tap))
+                handle = module.register_forward_hook(hook)
             self._handles[key] = handle
         return tap
 
@@ -231,24 +238,6 @@ class TapSet:
             cross=cross,
         )
         return self.chain
-
-    def _pre_hook(self, tap: Tap):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not self.gate.open or tap.failed is not None:
-                return None
-            self._fold(tap, tap_input(args, kwargs))
-            return None
-
-        return hook
-
-    def _post_hook(self, tap: Tap):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if not self.gate.open or tap.failed is not None:
-                return None
-            self._fold(tap, tap_output(output))
-            return None
-
-        return hook
 
     # Under torch.compile the hooks are traced: dynamo guards on the gate (two cached graphs,
     # open and closed; no recompile per step) and breaks the graph here, so that the fold runs
@@ -309,9 +298,7 @@ class TapSet:
     def remove(self) -> None:
         """Remove every hook this set registered (the accumulators stay readable; :meth:`add`
         registers a key's hook again)."""
-        for handle in self._handles.values():
-            handle.remove()
-        self._handles.clear()
+        _remove_handles(self._handles)
 
     def __len__(self) -> int:
         return len(self.taps)
@@ -323,6 +310,44 @@ class TapSet:
         return sum(t.accumulator.memory_bytes() for t in self.taps.values()) + chain
 
 
+def _remove_handles(handles: dict[tuple[str, str], Any]) -> None:
+    for handle in handles.values():
+        handle.remove()
+    handles.clear()
+
+
+def _inert(*_args: Any) -> None:
+    """What a pickled or copied tap hook becomes: nothing (the copy of a model is not watched)."""
+    return None
+
+
+class _TapHook:
+    """One tap's forward (pre-)hook. It holds its :class:`TapSet` weakly and pickles (and
+    deep-copies) as :func:`_inert`, so a hooked model can be saved with ``torch.save(model)``,
+    copied or exported whole, and a copy is never watched."""
+
+    __slots__ = ("_set", "tap", "_input")
+
+    def __init__(self, taps: TapSet, tap: Tap) -> None:
+        self._set = weakref.ref(taps)
+        self.tap = tap
+        self._input = tap.where == "input"
+
+    def __call__(self, module: nn.Module, args: tuple, extra: Any) -> None:
+        taps = self._set()
+        if taps is None or not taps.gate.open or self.tap.failed is not None:
+            return None
+        # a pre-hook (with_kwargs) gets (module, args, kwargs), a post-hook (module, args, out)
+        taps._fold(self.tap, tap_input(args, extra) if self._input else tap_output(extra))
+        return None
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return (_inert, ())
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _inert
+
+
 def _module_device(module: nn.Module, model: nn.Module) -> torch.device:
     for source in (module, model):
         for p in source.parameters():
@@ -330,3 +355,36 @@ def _module_device(module: nn.Module, model: nn.Module) -> torch.device:
         for b in source.buffers():
             return b.device
     return torch.device("cpu")
+
+
+def compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule is ``torch.compile``d: Lightning's
+    ``trainer.fit(torch.compile(model))``, ``self.model = torch.compile(...)`` (an
+    ``OptimizedModule``) or ``module.compile()`` in place.
+
+    Why it matters: dynamo caches the graph of the first compiled forward, and a forward traced
+    with the gate open breaks its graph at every hooked module (the fold runs eagerly). Traced
+    closed first, the model compiles whole and the open gate adds a second, cached graph for the
+    sampled steps only; traced open first, the broken graph is what every step runs. So on a
+    compiled model the baseline window is the second optimiser step, not the first."""
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    optimized = getattr(torch._dynamo, "OptimizedModule", ())
+    return any(
+        isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
+
+
+@contextlib.contextmanager
+def eager_forwards() -> Iterator[None]:
+    """Run the forwards inside eagerly, even those of a ``torch.compile``d model: the monitor's
+    own forwards (the residual discovery forward, whose temporary hooks compare tensor
+    identities) must never be traced by dynamo, nor add graphs to the training cache."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    if set_stance is None:  # pragma: no cover - older torch
+        with torch._dynamo.config.patch(disable=True):
+            yield
+        return
+    with set_stance("force_eager"):
+        yield

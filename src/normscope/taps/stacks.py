@@ -2,7 +2,7 @@
 
 Shared by the residual-point discovery (:mod:`normscope.taps.residual`), which looks at every
 ``nn.ModuleList``/``nn.Sequential`` of same-class blocks, and the sign–magnitude family's
-:func:`~normscope.monitors.sign_magnitude.find_block_linears`, which takes the longest
+:func:`~normscope.families.sign_magnitude.find_block_linears`, which takes the longest
 ``nn.ModuleList`` of them. Each caller passes its own ``kinds`` and ``exclude_children``.
 
 Example::

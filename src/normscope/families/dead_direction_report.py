@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from normscope.alerts.sources import classify_collapses, collapse_keys, source_reads
 from normscope.functional.dead_direction import GammaRead, KernelRead, SchurRead
 from normscope.functional.profile import SigmaMinProfile
 from normscope.taps.residual import ResidualLayout
@@ -111,20 +112,16 @@ class DeadDirectionReport:
             if aligned:
                 out[f"{FAMILY}/gamma_alignment_min"] = min(aligned)
         if self.sources:
-            from normscope.monitors.sources import collapse_keys, source_reads
-
             out.update(source_reads(self.sources, key_path))
             out.update(collapse_keys(out, self.source_rule))
         return out
 
     @property
     def collapses(self) -> list:
-        """The classified collapses (:func:`normscope.monitors.sources.classify_collapses`);
+        """The classified collapses (:func:`normscope.alerts.sources.classify_collapses`);
         empty without sources."""
         if not self.sources:
             return []
-        from normscope.monitors.sources import classify_collapses
-
         return classify_collapses(self.as_dict(), self.source_rule)
 
     @property

@@ -34,8 +34,8 @@ from normscope.functional.sign_magnitude import (
     outlier_amplitudes,
     weight_read,
 )
-from normscope.monitors.dead_direction import key_path
-from normscope.monitors.probes import ProbeReads
+from normscope.families.dead_direction import key_path
+from normscope.families.probes import ProbeReads
 from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import find_norm_layers
 from normscope.taps.stacks import longest_stack, same_class_stacks
@@ -295,25 +295,6 @@ class SignMagnitudeTracker(ProbeReads):
                 w = self.model.get_submodule(name).weight
                 if tuple(signs.shape) == tuple(w.shape):
                     self.prev_signs[name] = signs.to(w.device)
-
-    # -------------------------------------------------------------- plain loops
-    def step(self, batch: Any = None, **options: Any) -> Any:
-        """A context manager around one optimiser step, as
-        :meth:`DeadDirectionTracker.step <normscope.DeadDirectionTracker.step>`: outlier rows
-        folded on sampled steps, parameter and probe reads (probe batch: ``probe_batch=``, else
-        the first ``batch``) at their end, the alert rules, ``log=``. ``options``: ``log=`` and
-        any argument of :class:`~normscope.SignMagnitudeMonitor`, read at the first call.
-
-        Example::
-
-            tracker = SignMagnitudeTracker(model)
-            with tracker.step((x, y), every_n_steps=100, log=print) as result:
-                ...  # forward, backward, optimizer.step()
-        """
-        from normscope.callbacks.sign_magnitude import SignMagnitudeMonitor
-        from normscope.integrations.loop import tracker_step
-
-        return tracker_step(self, SignMagnitudeMonitor, batch, options)
 
 
 def find_norm_layers_or_empty(model: nn.Module) -> list:

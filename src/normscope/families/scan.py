@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normscope.monitors.dead_direction import DeadDirectionReport, DeadDirectionTracker
+from normscope.families.dead_direction import DeadDirectionReport, DeadDirectionTracker
 
 __all__ = ["call_model", "batch_mask", "scan_model"]
 

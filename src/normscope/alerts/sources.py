@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from normscope.alerts import SigmaMinRatioRule
+from normscope.alerts.records import Alert
+from normscope.alerts.sigma import SigmaMinRatioRule
 
 __all__ = [
     "CLASS_CODE",
@@ -41,6 +42,7 @@ __all__ = [
     "classify_collapses",
     "collapse_keys",
     "source_reads",
+    "SourceCollapseRule",
 ]
 
 FAMILY = "dd"
@@ -263,3 +265,62 @@ def describe(collapse: Collapse, sublayer: str | None = None) -> str:
         else "no source below alone"
     )
     return f"collapse at {collapse.point}{after}: undetermined ({why})"
+
+
+class SourceCollapseRule:
+    """A collapse classified over the sources (``sources=``; :mod:`normscope.alerts.sources`):
+    fires once per point and class when a point is classified ``intrinsic`` or
+    ``distribution-dependent`` (``undetermined`` too with ``undetermined=True``), naming the
+    sources below, e.g. ``collapse at h.3 after mlp under source 'code' only``. Fires again
+    only after that point has left the class for a read.
+
+    Args:
+        sigma_rule: the :class:`SigmaMinRatioRule` whose ``threshold`` is the floor (default
+            ``SigmaMinRatioRule()``); the monitor passes its own.
+        undetermined: also alert on points below somewhere that no two sources decide.
+    """
+
+    name = "source_collapse"
+
+    def __init__(self, sigma_rule: SigmaMinRatioRule | None = None, undetermined: bool = False):
+        self.sigma_rule = sigma_rule if sigma_rule is not None else SigmaMinRatioRule()
+        self.undetermined = undetermined
+        self.sublayers: dict[str, str | None] = {}  # by point; the monitor fills it
+        self.firing: set[str] = set()  # "point|kind"
+
+    @property
+    def threshold(self) -> float:
+        return self.sigma_rule.threshold
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
+        collapses = classify_collapses(metrics, self.sigma_rule)
+        now = {f"{c.point}|{c.kind}" for c in collapses}
+        self.firing &= now
+        alerts = []
+        for c in collapses:
+            tag = f"{c.point}|{c.kind}"
+            if tag in self.firing or (c.kind == "undetermined" and not self.undetermined):
+                continue
+            self.firing.add(tag)
+            sub = self.sublayers.get(c.point)
+            value = min(c.values[s] for s in c.below) if c.below else math.nan
+            alerts.append(
+                Alert(
+                    self.name,
+                    f"dd/{c.point}/collapse_class",
+                    step,
+                    float(value),
+                    self.threshold,
+                    f"residual stream sigma_min: {describe(c, sub)} at step {step} "
+                    f"(threshold {self.threshold:.3g})",
+                    point=c.point,
+                    sublayer=sub,
+                )
+            )
+        return alerts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"firing": sorted(self.firing)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.firing = set(state.get("firing", []))

@@ -43,14 +43,14 @@ def fit_budget(
 ) -> BudgetFit:
     """Fit a tracker's taps (its ``norms``, the points of ``layout``, the ``margin``
     cross-moments, ``sources`` per-source accumulators per point) in ``budget`` bytes
-    (:func:`_plan_budget`), with the warning naming what is left out."""
+    (:func:`plan_budget`), with the warning naming what is left out."""
     points = layout.points if layout is not None else ()
-    width = _stream_width(norms, layout) if points else 0
+    width = stream_width(norms, layout) if points else 0
     links = margin and len(points) > 1
     n_src = sources if points else 0
-    full = _tap_cost(norms, points, width, links, n_src)
+    full = tap_cost(norms, points, width, links, n_src)
     total_norms = len(norms)
-    kept_norms, kept, links_kept, src_kept = _plan_budget(
+    kept_norms, kept, links_kept, src_kept = plan_budget(
         norms, points, width, budget, links, n_src
     )
     dropped = bool(n_src and not src_kept)
@@ -81,7 +81,7 @@ def fit_budget(
         f"layers and {len(points)} residual points need {_fmt_bytes(full)}, over "
         f"max_memory={_fmt_bytes(budget)}; reading {len(kept_norms)} of {total_norms} norm "
         f"layers and {len(kept)} of {len(points)} residual points, at a stride over depth "
-        f"({_fmt_bytes(_tap_cost(kept_norms, kept, width, links_kept, src_kept))}); left out: "
+        f"({_fmt_bytes(tap_cost(kept_norms, kept, width, links_kept, src_kept))}); left out: "
         f"norm layers {names(skipped_norms)}; residual points "
         f"{names(skipped_points)}"
         + ("; the no-cancellation margin (not read)" if links and not links_kept else "")
@@ -96,7 +96,7 @@ def fit_budget(
     )
 
 
-def _stream_width(norms: Sequence[NormLayer], layout: ResidualLayout) -> int:
+def stream_width(norms: Sequence[NormLayer], layout: ResidualLayout) -> int:
     by_name = {n.name: n.dim for n in norms}
     for point in layout.points:
         if point.module_name in by_name:
@@ -106,7 +106,7 @@ def _stream_width(norms: Sequence[NormLayer], layout: ResidualLayout) -> int:
     return max(by_name.values())
 
 
-def _tap_cost(
+def tap_cost(
     norms: Sequence[NormLayer],
     points: Sequence[ResidualPoint],
     width: int,
@@ -141,7 +141,7 @@ def _thin_points(points: Sequence[ResidualPoint], kept: Sequence[int]) -> list[R
     return out
 
 
-def _plan_budget(
+def plan_budget(
     norms: list[NormLayer],
     points: Sequence[ResidualPoint],
     width: int,
@@ -157,30 +157,30 @@ def _plan_budget(
     ``sources`` per-source accumulators at every kept point come after the cross-moments and
     before the norm layers, all or none).
     """
-    if _tap_cost(norms, points, width, links, sources) <= budget:
+    if tap_cost(norms, points, width, links, sources) <= budget:
         return norms, list(points), links, sources
     kept_points: list[ResidualPoint] = list(points)
-    if _tap_cost([], points, width) > budget:
+    if tap_cost([], points, width) > budget:
         kept_points = []
         for stride in range(2, len(points)):
             idx = list(range(0, len(points), stride))
             if idx[-1] != len(points) - 1:
                 idx.append(len(points) - 1)
-            if _tap_cost([], [points[i] for i in idx], width) <= budget:
+            if tap_cost([], [points[i] for i in idx], width) <= budget:
                 kept_points = _thin_points(points, idx)
                 break
         if not kept_points and len(points) >= 2:
             ends = _thin_points(points, [0, len(points) - 1])
-            kept_points = ends if _tap_cost([], ends, width) <= budget else []
-    links = links and len(kept_points) > 1 and _tap_cost([], kept_points, width, True) <= budget
-    if sources and _tap_cost([], kept_points, width, links, sources) > budget:
+            kept_points = ends if tap_cost([], ends, width) <= budget else []
+    links = links and len(kept_points) > 1 and tap_cost([], kept_points, width, True) <= budget
+    if sources and tap_cost([], kept_points, width, links, sources) > budget:
         sources = 0
     chosen: list[NormLayer] = []
     for stride in range(1, len(norms) + 1):
         candidate = norms[::stride]
         if norms[-1] not in candidate:
             candidate = [*candidate[:-1], norms[-1]] if len(candidate) > 1 else [norms[-1]]
-        if _tap_cost(candidate, kept_points, width, links, sources) <= budget:
+        if tap_cost(candidate, kept_points, width, links, sources) <= budget:
             chosen = candidate
             break
     return chosen, kept_points, links, sources

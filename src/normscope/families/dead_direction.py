@@ -21,22 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from normscope.functional.profile import SigmaMinProfile
-from normscope.monitors.budget import _plan_budget, _stream_width, _tap_cost, fit_budget  # noqa: F401
-from normscope.monitors.dead_direction_read import (
-    cross_moments,
+from normscope.families.budget import fit_budget, stream_width
+from normscope.families.dead_direction_read import (
+    finish_report,
+    gather_records,
     read_norm,
-    read_profile,
-    read_report,
-    read_sources,
+    read_share,
+    reduce_taps,
+    solve_window,
+    take_window,
 )
-from normscope.monitors.dead_direction_report import (  # noqa: F401 - FAMILY, ... re-exported
-    FAMILY,
-    NORM_CLASS_CODE,
-    DeadDirectionReport,
-    NormReport,
-    key_path,
-)
+from normscope.families.dead_direction_report import DeadDirectionReport, NormReport, key_path
 from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import NormLayer, discover_norm_layers, find_norm_layers
 from normscope.taps.residual import ResidualDiscovery, ResidualLayout, find_residual_points
@@ -76,7 +71,7 @@ class DeadDirectionTracker:
             sample) or a batch field name. Each source gets its own float64 accumulator per
             residual point (the pooled read is unchanged) and its own profile
             (``dd.<source>/<point>/<metric>``), and collapses are classified intrinsic /
-            distribution-dependent (:mod:`normscope.monitors.sources`). Label a batch with
+            distribution-dependent (:mod:`normscope.alerts.sources`). Label a batch with
             :meth:`label` (the monitors and :func:`normscope.scan_model` do).
         max_sources: sources tracked (the first seen; ``max_memory`` plans for this many:
             ``8 d^2`` per source and point, after the margin, before the norm layers, whole or
@@ -136,11 +131,11 @@ class DeadDirectionTracker:
         # Delta_gamma's baseline per norm: its Schur complement s and the rows it was read on
         self.baselines: dict[str, float] = {}
         self.baseline_rows: dict[str, int] = {}
-        self._norm_taps: dict[str, tuple[Tap, Tap]] = {}
-        self._point_taps: list[Tap] = []
+        self.norm_taps: dict[str, tuple[Tap, Tap]] = {}
+        self.point_taps: list[Tap] = []
         self._gammas: dict[str, torch.Tensor] = {}
         self._width: int | None = None
-        self._profile_failed: str | None = None
+        self.profile_failed: str | None = None
         self._discovery: ResidualDiscovery | None = None
         self.attached = False
         self.last_solves = 0  # jobs this process solved at the last read (a split read: a share)
@@ -199,22 +194,22 @@ class DeadDirectionTracker:
         if self.max_memory is not None:
             self._apply_budget(self.max_memory)
         for norm in self.norms:
-            self._norm_taps[norm.name] = (
+            self.norm_taps[norm.name] = (
                 self.taps.add(norm.name, "input", norm.dim),
                 self.taps.add(norm.name, "output", norm.dim),
             )
         if self.layout is not None and self.layout.points:
-            width = self._width or _stream_width(self.norms, self.layout)
-            self._point_taps = [
+            width = self._width or stream_width(self.norms, self.layout)
+            self.point_taps = [
                 self.taps.add(p.module_name, p.where, width) for p in self.layout.points
             ]
-            if len({t.key for t in self._point_taps}) == len(self._point_taps):
-                cross = self.margin and len(self._point_taps) > 1
-                chain = self.taps.chain_points(self._point_taps, cross=cross)
+            if len({t.key for t in self.point_taps}) == len(self.point_taps):
+                cross = self.margin and len(self.point_taps) > 1
+                chain = self.taps.chain_points(self.point_taps, cross=cross)
                 if self.sources is not None:
                     self.split = SourceSplit(
-                        [t.dim for t in self._point_taps],
-                        [t.accumulator.device for t in self._point_taps],
+                        [t.dim for t in self.point_taps],
+                        [t.accumulator.device for t in self.point_taps],
                         self.max_sources,
                     )
                     chain.split = self.split
@@ -258,7 +253,7 @@ class DeadDirectionTracker:
             )
 
     def _apply_budget(self, budget: int) -> None:
-        """Fit the taps in ``budget`` bytes (:func:`~normscope.monitors.budget.fit_budget`);
+        """Fit the taps in ``budget`` bytes (:func:`~normscope.families.budget.fit_budget`);
         warn naming what is left out. Runs once, at :meth:`attach`, after the residual points
         are known."""
         n_src = self.max_sources if self.sources is not None else 0
@@ -303,33 +298,46 @@ class DeadDirectionTracker:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([c.to(counts[0].device) for c in counts]).min()
 
-    def read(
-        self, step: int = 0, *, reduce: bool = True, reset: bool = True
-    ) -> DeadDirectionReport:
-        """Reduce across processes (every rank must call this at the same step), run every read,
-        and start a new window (``reset``)."""
-        report = read_report(self, step, reduce=reduce)
-        if reset:
+    def read(self, step: int = 0, *, reduce: bool = True) -> DeadDirectionReport:
+        """Reduce across processes (``reduce``; every rank must call this at the same step),
+        run every read and start a new window. Under several processes every rank solves a
+        round-robin share and the records are gathered: every rank gets the same full report
+        (:mod:`normscope.families.dead_direction_read`, the one read path)."""
+        if reduce:
+            reduce_taps(self)
+        share = read_share() if reduce else (0, 1)
+        window = take_window(self, step, swap=False)
+        records = solve_window(self, window, share)
+        parts = gather_records(records) if share[1] > 1 else [records]
+        self.last_solves = records.solves
+        errors = [p.error for p in parts if p.error is not None]
+        if errors:
             self.reset()
+            raise RuntimeError(f"the read failed: {errors[0]}")
+        report = finish_report(self, window, parts)
+        self.reset()
         return report
 
-    def _read_norm(self, norm: NormLayer) -> NormReport:
-        tap_in, tap_out = self._norm_taps[norm.name]
-        gamma = self._gammas[norm.name] if norm.name in self._gammas else norm.gamma()
+    def read_norm(
+        self, norm: NormLayer, tap_in: Tap, tap_out: Tap, gamma: torch.Tensor
+    ) -> NormReport:
+        """One norm layer's reads from its taps with the window's ``gamma`` (Delta_gamma
+        against this tracker's baseline, which the first read sets)."""
         return read_norm(
             norm, tap_in, tap_out, gamma, self.null_tol, self.baselines, self.baseline_rows
         )
 
-    def _read_profile(self) -> SigmaMinProfile | None:
-        return read_profile(self.layout, self._point_taps, self._cross())
+    def window_gammas(self) -> dict[str, torch.Tensor]:
+        """The gammas of the window's forwards (:meth:`snapshot_gammas`), else the live ones."""
+        return {n.name: self._gammas[n.name] if n.name in self._gammas else n.gamma() for n in self.norms}
 
-    def _read_sources(self) -> dict[str, SigmaMinProfile]:
-        """One profile per source (:func:`~normscope.monitors.dead_direction_read.read_sources`)."""
-        assert self.split is not None and self.layout is not None
-        return read_sources(self.split, self.layout)
-
-    def _cross(self) -> list:
-        return cross_moments(self.taps.chain)
+    def cross_moments(self) -> list:
+        """The cross-moments between consecutive residual points (empty without a chain or
+        once they failed)."""
+        chain = self.taps.chain
+        if chain is None or chain.cross_failed is not None:
+            return []
+        return chain.cross
 
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
@@ -340,7 +348,7 @@ class DeadDirectionTracker:
             "taps": {
                 f"{k[0]}|{k[1]}": t.accumulator.state_dict() for k, t in self.taps.taps.items()
             },
-            "cross": [acc.state_dict() for acc in self._cross()],
+            "cross": [acc.state_dict() for acc in self.cross_moments()],
             **({"sources": self.split.state_dict()} if self.split is not None else {}),
         }
 
@@ -354,7 +362,7 @@ class DeadDirectionTracker:
             tap = self.taps.taps.get((name, where))
             if tap is not None and int(acc_state["dim"]) == tap.dim:
                 tap.accumulator.load_state_dict(acc_state)
-        cross, saved = self._cross(), state.get("cross", [])
+        cross, saved = self.cross_moments(), state.get("cross", [])
         if len(saved) == len(cross):
             for acc, acc_state in zip(cross, saved):
                 if int(acc_state["dim"]) == acc.dim:
@@ -365,36 +373,3 @@ class DeadDirectionTracker:
     def memory_bytes(self) -> int:
         split = self.split.memory_bytes() if self.split is not None else 0
         return self.taps.memory_bytes() + split
-
-    # -------------------------------------------------------------- plain loops
-    def step(self, batch: Any = None, **options: Any) -> Any:
-        """A context manager around one optimiser step of a loop you wrote: on entry it opens
-        the window when the step is sampled (gammas snapshotted first, ``attention_mask`` of a
-        dict ``batch`` applied, residual points discovered on the first call with ``batch``);
-        on exit it reads on schedule, evaluates the alert rules, logs, and puts the report
-        (``None`` on a step without a read) and the alerts fired on the yielded
-        :class:`~normscope.integrations.StepResult`.
-
-        ``options`` (read at the first call, kept after): ``log=`` (a callable such as
-        ``wandb.log``, a logger object, or a list of them) and any argument of
-        :class:`~normscope.DeadDirectionMonitor` (``every_n_steps``, ``rules``,
-        ``stop_on_alert``, ``alerts`` (default ``("log",)``), ``log_per_layer`` ...); the
-        tracker's own layers, residual and row settings stay as built. One engine: the same
-        schedule and reads as the Lightning monitor (:class:`~normscope.integrations.Watch`).
-
-        Example::
-
-            tracker = DeadDirectionTracker(model)
-            for x, y in loader:
-                with tracker.step((x, y), every_n_steps=50, log=wandb.log) as result:
-                    _, loss = model(x, y)
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                if result.alerts:
-                    print(result.alerts[0].message)
-        """
-        from normscope.callbacks.dead_direction import DeadDirectionMonitor
-        from normscope.integrations.loop import tracker_step
-
-        return tracker_step(self, DeadDirectionMonitor, batch, options)

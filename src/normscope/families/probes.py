@@ -1,4 +1,4 @@
-"""The probe reads of :class:`~normscope.monitors.sign_magnitude.SignMagnitudeTracker`
+"""The probe reads of :class:`~normscope.families.sign_magnitude.SignMagnitudeTracker`
 (docs/metrics.md §2.3): each perturbation applied to a weight in place, the input of the first
 normaliser it changes captured on a fixed probe batch, the weight restored bit-exactly from a
 saved copy. Everything runs under ``no_grad`` in eval mode; train/eval flags are restored."""

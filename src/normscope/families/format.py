@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from normscope._common import fmt
 from normscope.alerts import Alert
-from normscope.monitors.dead_direction import DeadDirectionReport, key_path
+from normscope.families.dead_direction import DeadDirectionReport, key_path
 
 __all__ = ["format_read_line", "format_summary", "format_table"]
 

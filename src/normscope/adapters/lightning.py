@@ -1,0 +1,511 @@
+"""The Lightning adapter: :class:`DeadDirectionMonitor` and :class:`SignMagnitudeMonitor` as
+``lightning.pytorch.Callback`` s.
+
+Each holds one :class:`~normscope.engine.Monitor` (``monitor.engine``) and turns the Trainer's
+hooks into its three calls -- a step begins (``on_train_batch_start``), a step ended with
+``trainer.global_step`` optimiser steps done (``on_train_batch_end``), training finished
+(``on_train_end``) -- plus set-up (the strategy checked, the model's layers found), the gate
+closed for validation, the hooks removed at teardown, and the checkpoint state. What a read
+publishes goes to every logger (a ``WandbLogger`` also gets summaries, charts and alerts) and to
+``trainer.callback_metrics``; ``stop_on_alert`` sets ``trainer.should_stop``.
+
+Called by ``fabric.call(...)`` with a ``Fabric`` in the trainer's place, the same callback
+drives its engine through :mod:`normscope.adapters.fabric`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from normscope._common import ConfigurationError
+from normscope.adapters.fabric import FabricLoop, is_fabric
+from normscope.alerts import Alert, AlertRule
+from normscope.engine import Monitor, StepResult, Target
+from normscope.families import DeadDirectionFamily, SignMagnitudeFamily
+
+__all__ = ["DeadDirectionMonitor", "SignMagnitudeMonitor", "check_strategy", "lightning_targets"]
+
+_SINGLE_AND_DDP = "a single device; DDP (DDPStrategy: strategy='ddp', 'ddp_spawn', 'ddp_fork')"
+_FSDP2 = (
+    "FSDP2 (ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1), with "
+    "torch.distributed.fsdp.fully_shard applied in configure_model)"
+)
+_REFUSED: tuple[tuple[type[Strategy], str], ...] = (
+    (
+        DeepSpeedStrategy,
+        "ZeRO stage 3 partitions every parameter, so a gamma is not whole where the monitor reads "
+        "it, and no DeepSpeed stage has been tested with normscope",
+    ),
+    (
+        FSDPStrategy,
+        "FSDP1 (FullyShardedDataParallel) keeps each gamma in flat shards outside the forward, "
+        "where the monitor reads it (Lightning also runs it on CUDA only, where it is untested)",
+    ),
+)
+
+
+def check_strategy(strategy: Strategy, monitor: str, *, fsdp2: bool = True) -> None:
+    """Refuse, at ``setup``, a strategy whose parameters the monitor cannot read whole.
+
+    Raises:
+        MisconfigurationException: naming the strategy, why, and what is supported.
+
+    Example::
+
+        from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+        check_strategy(DDPStrategy(), "DeadDirectionMonitor")   # passes
+        check_strategy(FSDPStrategy(), "DeadDirectionMonitor")  # MisconfigurationException
+    """
+    refused = list(_REFUSED)
+    if not fsdp2:
+        refused.append(
+            (
+                ModelParallelStrategy,
+                "its weight and probe reads take whole nn.Linear weights, and FSDP2 / tensor "
+                "parallelism shard them as DTensors",
+            )
+        )
+    elif isinstance(strategy, ModelParallelStrategy) and _tensor_parallel_size(strategy) > 1:
+        refused.append(
+            (
+                ModelParallelStrategy,
+                "tensor parallelism is untested: the reads reduce over every process, so rows "
+                "that tensor-parallel peers share would be counted once per peer",
+            )
+        )
+    supported = f"{_SINGLE_AND_DDP}; {_FSDP2}" if fsdp2 else _SINGLE_AND_DDP
+    for cls, why in refused:
+        if isinstance(strategy, cls):
+            raise MisconfigurationException(
+                f"{monitor}: {type(strategy).__name__} is not supported: {why}. Supported: "
+                f"{supported}."
+            )
+
+
+def _tensor_parallel_size(strategy: ModelParallelStrategy) -> int:
+    try:
+        return int(strategy.device_mesh["tensor_parallel"].size())
+    except (RuntimeError, KeyError):  # no mesh yet: the size asked for ("auto": devices per node)
+        size = strategy._tensor_parallel_size
+        return size if isinstance(size, int) else 2
+
+
+def lightning_targets(loggers: Sequence[Any]) -> list[Target]:
+    """Lightning (or Fabric) loggers as the engine's targets: a ``WandbLogger`` with its run
+    and Lightning's step key ``trainer/global_step``."""
+    out = []
+    for lg in loggers:
+        if isinstance(lg, WandbLogger):
+            out.append(Target(lg, wandb_run=lambda lg=lg: lg.experiment, step_key="trainer/global_step"))
+        else:
+            out.append(Target(lg))
+    return out
+
+
+def _config(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except ConfigurationError as err:
+        raise MisconfigurationException(str(err)) from err
+
+
+class _LightningMonitor(Callback):
+    """What both Lightning monitors share: the engine and the hooks that drive it."""
+
+    engine: Monitor
+    _fsdp2 = True
+
+    def __getattr__(self, name: str) -> Any:
+        # reads of the engine (reads, last_report, alerts_fired, disabled, tracker...) and of
+        # the family (sigma_rule, layers...) through the monitor; only called for what the
+        # adapter itself does not have
+        if name.startswith("__") or name in ("engine", "_fabric"):
+            raise AttributeError(name)
+        engine = self.__dict__.get("engine")
+        if engine is None:
+            raise AttributeError(name)
+        if hasattr(engine, name):
+            return getattr(engine, name)
+        return getattr(engine.family, name)
+
+    @property
+    def state_key(self) -> str:
+        return self.engine.state_key
+
+    # ------------------------------------------------------------ set-up
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if is_fabric(trainer):
+            return None  # Fabric: the monitor sets itself up at the first batch
+        if stage != "fit" or self.engine.disabled:
+            return
+        check_strategy(trainer.strategy, self.engine.family.kind, fsdp2=self._fsdp2)
+        if is_overridden("configure_model", pl_module) and self.engine.tracker is None:
+            return  # its layers may be built (or sharded) there, after setup: see on_fit_start
+        self._watch(trainer, pl_module)  # a monitor kept for a second fit: this fit's loggers
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if is_fabric(trainer):
+            return None
+        if self.engine.tracker is None and not self.engine.disabled:
+            self._watch(trainer, pl_module)
+
+    def _watch(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = trainer.strategy
+        try:
+            _config(
+                lambda: self.engine.watch(
+                    pl_module,
+                    log=lightning_targets(trainer.loggers),
+                    device=strategy.root_device,
+                    precision=str(trainer.precision),
+                    async_default=strategy.root_device.type == "cuda",
+                    async_ok=isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)),
+                )
+            )
+        except MisconfigurationException:
+            raise
+        except Exception as err:  # noqa: BLE001 - fail-open is the contract
+            self.engine._disable(f"setup: {type(err).__name__}: {err}")
+
+    # ------------------------------------------------------------ the steps
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if is_fabric(trainer):
+            self._fabric_loop(trainer, pl_module).begin(batch)
+            return
+        self.engine.begin(trainer.global_step, batch)
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if is_fabric(trainer):
+            self._fabric_loop(trainer, pl_module).end()
+            return
+        self._apply(trainer, self.engine.end(trainer.global_step))
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.engine.pause()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if is_fabric(trainer):
+            return
+        self._apply(trainer, self.engine.finish())  # the last read is never lost
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if is_fabric(trainer):
+            self._fabric_loop(trainer, pl_module).close()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if is_fabric(trainer):
+            loop = self.__dict__.get("_fabric")
+            if loop is not None:
+                loop.close()
+            return
+        self.engine.detach()
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self.engine.detach()
+
+    def _apply(self, trainer: Trainer, result: StepResult | None) -> None:
+        """What a published read asks of the Trainer: ``callback_metrics`` and the stop."""
+        if result is None:
+            return
+        if result.metrics:
+            device = trainer.strategy.root_device
+            trainer.callback_metrics.update(
+                {
+                    k: torch.tensor(v, dtype=torch.float32, device=device)
+                    for k, v in result.metrics.items()
+                }
+            )
+        if result.should_stop:
+            trainer.should_stop = True
+
+    def _fabric_loop(self, fabric: Any, model: Any) -> FabricLoop:
+        loop = self.__dict__.get("_fabric")
+        if loop is None:
+            loop = self._fabric = FabricLoop(fabric, model, self.engine, fsdp2=self._fsdp2)
+        return loop
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state_dict)
+
+
+class DeadDirectionMonitor(_LightningMonitor):
+    r"""Log the dead-direction geometry of every norm layer and the residual stream's
+    ``sigma_min`` depth profile while a model trains, and alert when the stream collapses.
+
+    Every ``every_n_steps`` optimiser steps (and once at the first step, the baseline: step 1,
+    since step 0's training forward is the one residual discovery watches), the
+    hooks fold the rows of that step's training forwards (all gradient-accumulation
+    micro-batches) into float64 accumulators; at the end of the step the monitor reduces them
+    across processes, runs the reads of docs/metrics.md §1 and logs them to every logger and to
+    ``trainer.callback_metrics`` under ``dd/<module path>/<metric>`` and ``dd/<metric>``.
+    Between sampled steps the hooks return at once. Sanity-check and validation forwards are
+    never sampled.
+
+    Args:
+        every_n_steps: optimiser steps between reads (>= 1).
+        layers: ``"auto"`` (every norm layer) or a list of norm module paths (as
+            ``pl_module.named_modules()`` names them).
+        residual: track the residual stream's ``sigma_min`` profile. The stream is found from
+            the first training batch's own forward (``training_step``'s, whatever it calls;
+            docs/monitors.md, "Finding the residual stream"); that step is not read. When no
+            stream is found, one warning says why, and ``dd/profile_points`` reads 0;
+            ``residual=False`` silences it.
+        max_rows_per_step: rows kept per tapped tensor per forward (seeded uniform subsample).
+        alert_below: the ``sigma_min`` ratio floor of the theory (1.0).
+        tolerance: how far below ``alert_below`` a ratio's interval may lie before it counts
+            (default 0.4, with the sudden-drop floor 0.85 of
+            :class:`~normscope.alerts.SigmaMinRatioRule`; measured on the sweeps of
+            ``benchmarks/alert_roc.py``: docs/alerts.md).
+        patience: consecutive reads below the threshold before an alert.
+        warmup_reads: first reads that never alert.
+        kernel_residual_alert: alert when a LayerNorm layer's ``kernel_residual`` exceeds this
+            (``None`` disables that rule).
+        rules: extra :mod:`normscope.alerts` rules (objects with ``evaluate(metrics, step)``).
+        alerts: sinks: ``"log"``, ``"wandb"``, or callables ``fn(alert)``.
+        stop_on_alert: set ``trainer.should_stop`` when an alert fires (decided across ranks, so
+            all stop together).
+        null_tol: ``tau`` of ``null_dim``; raise it for half-precision norm forwards (e.g. 1e-4
+            under ``precision="bf16-true"``, where the kernel's floor is about 1e-6; a warning at
+            setup says so). ``bf16-mixed`` keeps LayerNorm in float32: the default holds.
+        max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor); over it, norm
+            layers are taken at a stride over depth (the final norm always kept) and a warning
+            says which were left out.
+        example_forward: ``fn(pl_module, batch)`` running one forward: residual discovery then
+            runs it separately (eager, no grad, eval mode) on the first batch, and step 0 is
+            read. A compiled model always gets such a forward; its default: a dict batch as
+            keyword arguments, a tuple batch by its first element.
+        verbose: print one line per read and a summary at the end of the fit (rank zero).
+        seed: seed of the row subsampling.
+        overhead_warn: warn once when a read costs more than this fraction of training time
+            at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
+            naming the cadence that would not; ``None``: never.
+        log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
+            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.engine.publish`)
+            and every run-level key. Alert rules still see every layer.
+        sources: name each sampled row's source: ``fn(batch) -> str`` (the whole batch one
+            source), ``fn(batch) -> labels`` (a sequence or tensor, one per sample) or a batch
+            field name. Adds a profile per source (``dd.<source>/<point>/<metric>``), the
+            classification of each collapse (``dd/collapse_class``: 1 intrinsic, 2
+            distribution-dependent, 3 undetermined, 0 none) and a
+            :class:`~normscope.alerts.SourceCollapseRule`; the pooled keys are unchanged.
+        max_sources: sources tracked (``max_memory`` plans for this many).
+        name: tell this monitor from others in the same fit (several cadences, layer sets or
+            thresholds): every key it logs reads ``dd[name]/...`` (``dd[name].<source>/...``)
+            instead of ``dd/...``, so each gets its own W&B section; its alerts name it
+            (``DeadDirectionMonitor[name]: ...``). Rules still see the ``dd/`` keys. A
+            non-empty string without ``/``, brackets or whitespace.
+        async_reads: run each read's eigensolves on a background thread (a side CUDA stream on
+            a GPU) while training goes on; the read is published at the first optimiser step
+            end after it is ready (under DDP: the next one), logged under its own step, and
+            alerts and ``stop_on_alert`` act then. ``None``: on under a Lightning ``Trainer``
+            on a CUDA device; off on the CPU (no gain measured on a shared 2-core machine), in
+            plain loops, Fabric and the Hugging Face ``Trainer``, and under FSDP2
+            (docs/monitors.md, "Asynchronous reads"). The numbers are those of a synchronous
+            read, bit for bit.
+
+    Raises:
+        MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
+            layer name / a strategy it cannot read (FSDP1, DeepSpeed: the message says what is
+            supported). A module that overrides ``configure_model`` has its layers found at
+            ``on_fit_start`` instead, after Lightning has built and sharded them.
+
+    Example::
+
+        from lightning import Trainer
+        from normscope import DeadDirectionMonitor
+
+        monitor = DeadDirectionMonitor(every_n_steps=50)
+        trainer = Trainer(callbacks=[monitor], max_steps=1000)
+        trainer.fit(model, datamodule)
+        trainer.callback_metrics["dd/sigma_min_ratio_min"]
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        layers: str | Sequence[str] = "auto",
+        residual: bool = True,
+        max_rows_per_step: int | None = 4096,
+        alert_below: float = 1.0,
+        tolerance: float = 0.4,
+        patience: int = 1,
+        warmup_reads: int = 0,
+        kernel_residual_alert: float | None = 1e-4,
+        rules: Sequence[AlertRule] = (),
+        alerts: Sequence[str | Callable[[Alert], Any]] = ("log", "wandb"),
+        stop_on_alert: bool = False,
+        null_tol: float = 1e-10,
+        max_memory: int | None = None,
+        example_forward: Callable[[LightningModule, Any], Any] | None = None,
+        verbose: bool = True,
+        seed: int = 0,
+        overhead_warn: float | None = 0.05,
+        log_per_layer: str | int = "all",
+        sources: Callable[[Any], Any] | str | None = None,
+        max_sources: int = 8,
+        name: str | None = None,
+        async_reads: bool | None = None,
+    ) -> None:
+        family = _config(
+            lambda: DeadDirectionFamily(
+                layers=layers,
+                residual=residual,
+                max_rows_per_step=max_rows_per_step,
+                alert_below=alert_below,
+                tolerance=tolerance,
+                patience=patience,
+                warmup_reads=warmup_reads,
+                kernel_residual_alert=kernel_residual_alert,
+                null_tol=null_tol,
+                max_memory=max_memory,
+                example_forward=example_forward,
+                seed=seed,
+                sources=sources,
+                max_sources=max_sources,
+            )
+        )
+        self.engine = _config(
+            lambda: Monitor(
+                family,
+                every_n_steps=every_n_steps,
+                rules=rules,
+                alerts=alerts,
+                stop_on_alert=stop_on_alert,
+                log_per_layer=log_per_layer,
+                verbose=verbose,
+                overhead_warn=overhead_warn,
+                name=name,
+                async_reads=async_reads,
+            )
+        )
+
+    @property
+    def sigma_min_ratio_min(self) -> float:
+        """The last read's smallest cumulative ratio (NaN before the first read)."""
+        report = self.engine.last_report
+        return report.sigma_min_ratio_min if report is not None else float("nan")
+
+
+class SignMagnitudeMonitor(_LightningMonitor):
+    r"""Log the sign–magnitude geometry of a model's Linear layers while it trains: sign and
+    ternary alignment, sign churn, outlier leverage, and probe-measured asymmetry and ternary
+    readiness (docs/metrics.md §2), under ``sm/<module path>/<metric>`` and ``sm/<metric>``.
+
+    Every ``every_n_steps`` optimiser steps (and at the first step): parameter reads on every
+    monitored Linear, outlier reads from hooks on their inputs (folded during that step's
+    forwards), and probe reads on ``probe_layers`` on a fixed probe batch. A probe perturbs a
+    weight in place, runs the probe batch, and restores the weight bit-exactly from a saved
+    copy, under ``no_grad`` in eval mode: no gradient, optimiser state or train/eval flag is
+    changed.
+
+    Args:
+        every_n_steps: optimiser steps between reads (>= 1).
+        layers: ``"auto"`` (every ``nn.Linear`` inside the block stack) or a list of paths.
+        probe_layers: Linears to probe; ``None``: an attention and an MLP output projection in
+            the first, middle and last block; ``()``: no probes.
+        probe_batch: the probe batch; ``None``: the first training batch, cached on the CPU.
+        probe_samples: samples of the probe batch used (its leading dimension is cut to this).
+        flip_rate: ``p`` of the flip perturbation (0.01).
+        max_leverage_alert: alert when a layer's ``max_leverage`` exceeds this (``None``: off).
+        churn_spike_factor: alert when ``sm/sign_churn_mean`` exceeds this many times its running
+            median, and at least ``min_churn`` (``None``: off).
+        min_churn: the churn floor of that rule.
+        rules: extra rules; alerts: sinks (``"log"``, ``"wandb"``, callables).
+        example_forward: ``fn(pl_module, batch)`` for the probe forwards; default as
+            ``DeadDirectionMonitor``.
+        verbose: print one line per read (rank zero).
+        seed: seed of the perturbations.
+        overhead_warn: warn once when a read costs more than this fraction of training time
+            at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
+            naming the cadence that would not; ``None``: never.
+        log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
+            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.engine.publish`)
+            and every run-level key. Alert rules still see every layer.
+        name: tell this monitor from others in the same fit: its keys read ``sm[name]/...``
+            instead of ``sm/...`` and its alerts name it (``SignMagnitudeMonitor[name]: ...``);
+            rules still see the ``sm/`` keys. As ``DeadDirectionMonitor(name=...)``.
+
+    Example::
+
+        from normscope import SignMagnitudeMonitor
+        trainer = Trainer(callbacks=[SignMagnitudeMonitor(every_n_steps=100)])
+    """
+
+    _fsdp2 = False
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        layers: str | Sequence[str] = "auto",
+        probe_layers: Sequence[str] | None = None,
+        probe_batch: Any = None,
+        probe_samples: int = 8,
+        flip_rate: float = 0.01,
+        max_leverage_alert: float | None = 100.0,
+        churn_spike_factor: float | None = 5.0,
+        min_churn: float = 0.01,
+        rules: Sequence[AlertRule] = (),
+        alerts: Sequence[str | Callable[[Alert], Any]] = ("log", "wandb"),
+        example_forward: Callable[[LightningModule, Any], Any] | None = None,
+        verbose: bool = True,
+        seed: int = 0,
+        overhead_warn: float | None = 0.05,
+        log_per_layer: str | int = "all",
+        name: str | None = None,
+    ) -> None:
+        family = _config(
+            lambda: SignMagnitudeFamily(
+                layers=layers,
+                probe_layers=probe_layers,
+                probe_batch=probe_batch,
+                probe_samples=probe_samples,
+                flip_rate=flip_rate,
+                max_leverage_alert=max_leverage_alert,
+                churn_spike_factor=churn_spike_factor,
+                min_churn=min_churn,
+                example_forward=example_forward,
+                seed=seed,
+            )
+        )
+        self.engine = _config(
+            lambda: Monitor(
+                family,
+                every_n_steps=every_n_steps,
+                rules=rules,
+                alerts=alerts,
+                log_per_layer=log_per_layer,
+                verbose=verbose,
+                overhead_warn=overhead_warn,
+                name=name,
+            )
+        )

@@ -1,0 +1,220 @@
+"""The sign–magnitude family as the engine drives it: configuration, rules, the probe batch,
+the outlier taps' gate and the read (:class:`normscope.engine.Family`).
+
+Example::
+
+    from normscope.engine import Monitor
+    monitor = Monitor(SignMagnitudeFamily(probe_samples=4), every_n_steps=100)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from normscope._common import ConfigurationError
+from normscope.alerts import AlertRule, OutlierRule, SignChurnSpikeRule
+from normscope.families.dead_direction_family import check_layers
+from normscope.families.scan import call_model
+from normscope.families.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
+from normscope.taps.hooks import compiled, eager_forwards
+
+__all__ = ["SignMagnitudeFamily", "slice_batch", "to_device"]
+
+
+def slice_batch(batch: Any, n: int) -> Any:
+    """The first ``n`` samples of every tensor in ``batch`` (dicts, tuples, lists walked)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, dict):
+        return {k: slice_batch(v, n) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(slice_batch(v, n) for v in batch)
+    return batch
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """``batch`` with every tensor moved to ``device`` (dicts, tuples, lists walked)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class SignMagnitudeFamily:
+    """The sign–magnitude reads for the engine (arguments: :class:`~normscope.SignMagnitudeMonitor`'s,
+    less the schedule and delivery ones)."""
+
+    prefix = "sm"
+    kind = "SignMagnitudeMonitor"
+    supports_async = False  # the probes run forwards of the model: on the training thread
+    charts_every_n_reads = 0
+
+    def __init__(
+        self,
+        layers: str | Sequence[str] = "auto",
+        probe_layers: Sequence[str] | None = None,
+        probe_batch: Any = None,
+        probe_samples: int = 8,
+        flip_rate: float = 0.01,
+        max_leverage_alert: float | None = 100.0,
+        churn_spike_factor: float | None = 5.0,
+        min_churn: float = 0.01,
+        example_forward: Callable[[nn.Module, Any], Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        owner = self.kind
+        self.layers = check_layers(layers, owner)
+        if not 0.0 < flip_rate < 1.0:
+            raise ConfigurationError(f"{owner}: flip_rate must be in (0, 1), got {flip_rate}")
+        if probe_samples < 1:
+            raise ConfigurationError(f"{owner}: probe_samples must be >= 1")
+        self.rules: list[AlertRule] = []
+        if max_leverage_alert is not None:
+            self.rules.append(OutlierRule(max_leverage_alert))
+        if churn_spike_factor is not None:
+            self.rules.append(SignChurnSpikeRule(churn_spike_factor, min_churn))
+        self.probe_layers = probe_layers
+        self.probe_batch = probe_batch
+        self.probe_samples = probe_samples
+        self.flip_rate = flip_rate
+        self.example_forward = example_forward
+        self.seed = seed
+        self.tracker: SignMagnitudeTracker | None = None
+        self.model: nn.Module | None = None
+        self._saved: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------ set-up
+    def check_loop(self, precision: str) -> None:
+        return None
+
+    def build(self, model: nn.Module) -> None:
+        try:
+            self.tracker = SignMagnitudeTracker(
+                model,
+                layers=self.layers,
+                probe_layers=self.probe_layers,
+                flip_rate=self.flip_rate,
+                seed=self.seed,
+            )
+        except ValueError as err:
+            raise ConfigurationError(f"{self.kind}: {err}") from err
+        self.model = model
+        if self._saved is not None:
+            self.tracker.load_state_dict(self._saved)
+            self._saved = None
+
+    @property
+    def attached(self) -> bool:
+        return self.tracker is not None and self.tracker.attached
+
+    def first_batch(self, model: nn.Module, batch: Any) -> tuple[bool, bool]:
+        assert self.tracker is not None
+        self.tracker.attach()
+        return False, compiled(model)
+
+    def finish_discovery(self) -> None:
+        return None
+
+    def detach(self) -> None:
+        if self.tracker is not None:
+            self.tracker.gate.open = False
+            self.tracker.detach()
+
+    # ------------------------------------------------------------ the window
+    def open(self, batch: Any) -> None:
+        assert self.tracker is not None
+        self.tracker.gate.open = True
+
+    def see(self, batch: Any) -> None:
+        """Every batch: the first one becomes the probe batch (cut, on the CPU) unless given."""
+        if self.probe_batch is None and batch is not None:
+            self.probe_batch = to_device(slice_batch(batch, self.probe_samples), "cpu")
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.gate.open = False
+
+    def rows(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float64)
+
+    def rows_needed(self, rules: Sequence[Any]) -> int:
+        return 0
+
+    # ------------------------------------------------------------ the read
+    def read(self, step: int, *, distributed: bool) -> SignMagnitudeReport:
+        """Parameter, outlier and probe reads (the moments summed over the ranks first)."""
+        tracker = self.tracker
+        assert tracker is not None and self.model is not None
+        if distributed:
+            # The read's one collective, right after the handshake: nothing that could fail on
+            # one rank only runs between the two.
+            tracker.reduce_moments()
+        forward = self.example_forward or call_model
+        probe = None
+        if self.probe_batch is not None and tracker.probe_layers:
+            model = self.model
+            batch = to_device(self.probe_batch, _device(model))
+
+            def probe() -> Any:
+                # The probe's forwards (perturbed weights, temporary hooks at the norm inputs)
+                # run eagerly: on a compiled model they must not add graphs to its cache.
+                with eager_forwards():
+                    return forward(model, batch)
+
+        return tracker.read(step, probe=probe)
+
+    def metrics(self, report: SignMagnitudeReport) -> dict[str, float]:
+        return report.as_dict()
+
+    def read_line(self, report: SignMagnitudeReport, fired: Sequence[Any]) -> str:
+        metrics = report.as_dict()
+
+        def f(key: str) -> str:
+            v = metrics.get(f"sm/{key}", math.nan)
+            return "nan" if not math.isfinite(v) else f"{v:.4g}"
+
+        line = (
+            f"normscope sm step {report.step} | sign_alignment {f('sign_alignment_mean')} | "
+            f"ternary_alignment {f('ternary_alignment_mean')} | sign_churn "
+            f"{f('sign_churn_mean')} | max_leverage {f('max_leverage_max')} | asymmetry_ratio "
+            f"{f('asymmetry_ratio_mean')} | quant_transverse_rel {f('quant_transverse_rel_mean')}"
+        )
+        if fired:
+            line += f" | ALERTS {len(fired)}: " + "; ".join(a.message for a in fired)
+        return line
+
+    def summary(self, report: SignMagnitudeReport, reads: int, alerts: Sequence[Any]) -> None:
+        return None
+
+    def worst_point(self, report: SignMagnitudeReport) -> None:
+        return None
+
+    def charts(self, report: SignMagnitudeReport, step: int) -> dict[str, Any]:
+        return {}
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The previous read's signs (int8, for ``sign_churn``)."""
+        if self.tracker is None:
+            return dict(self._saved or {})
+        return self.tracker.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.tracker is not None:
+            self.tracker.load_state_dict(state)
+        else:
+            self._saved = state
