@@ -7,7 +7,7 @@
 **Healthy runs**: the demo GPT (examples/nanogpt.py, 4 layers, batch 32 x 64 = 2,048 token rows
 a step, data from examples/data.py) at widths 64/128/256, LayerNorm and RMSNorm, 5 seeds each,
 trained 100 steps. On every run, six real monitors read at once (``DeadDirectionMonitor`` driven
-by :class:`normscope.integrations.Watch`, each its own hooks and schedule): ``every_n_steps`` 1,
+by :class:`normscope.Monitor`, each its own hooks and schedule): ``every_n_steps`` 1,
 5 and 50 times ``max_rows_per_step`` 512 and 4096, the first read included. Any alert on these
 is a false alarm.
 

@@ -20,7 +20,7 @@ from examples.data import ByteDataset  # noqa: E402
 from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
 from normscope import DeadDirectionMonitor  # noqa: E402
-from normscope.integrations import Watch  # noqa: E402
+from normscope import Monitor  # noqa: E402
 
 
 @dataclass
@@ -58,9 +58,10 @@ def run_batches(data: torch.Tensor, run: Run, seed: int):
         yield torch.stack(xs), torch.stack(ys)
 
 
-def _monitor(every: int, rows: int, per_dim: float, width: int, layers: int):
+def _monitor(model, every: int, rows: int, per_dim: float, width: int, layers: int):
     points = 2 * layers + 1
-    monitor = DeadDirectionMonitor(
+    monitor = Monitor.dead_direction(
+        model,
         every_n_steps=every,
         max_rows_per_step=rows,
         kernel_residual_alert=None,
@@ -69,7 +70,7 @@ def _monitor(every: int, rows: int, per_dim: float, width: int, layers: int):
         overhead_warn=None,
         max_memory=points * 8 * width * width,  # the profile, nothing else
     )
-    monitor.sigma_rule.min_rows_per_dim = per_dim  # the window stays open until N/d >= per_dim
+    monitor.family.sigma_rule.min_rows_per_dim = per_dim  # the window stays open until N/d >= per_dim
     return monitor
 
 
@@ -82,12 +83,10 @@ def simulate(run: Run, data: torch.Tensor) -> list[dict[str, Any]]:
     mlp = model.transformer.h[min(run.cancel_block, run.layers - 1)].mlp
     watches = {}
     for every, rows in run.schedules:
-        watches[(every, rows, 4.0)] = Watch(
-            _monitor(every, rows, 4.0, run.width, run.layers), model
-        )
+        watches[(every, rows, 4.0)] = _monitor(model, every, rows, 4.0, run.width, run.layers)
         if rows < 4 * run.width:  # version 1 read at 2 d rows here
-            watches[(every, rows, 2.0)] = Watch(
-                _monitor(every, rows, 2.0, run.width, run.layers), model
+            watches[(every, rows, 2.0)] = _monitor(
+                model, every, rows, 2.0, run.width, run.layers
             )
     records: list[dict[str, Any]] = []
     batches = run_batches(data, run, seed=run.seed)

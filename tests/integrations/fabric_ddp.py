@@ -68,12 +68,12 @@ def main(out: Path) -> None:
             i += 1
     fabric.call("on_fit_end", fabric, model)
     fabric.logger.finalize("success")
-    hooks = monitor._normscope_fabric
+    loop = monitor._fabric
     result = {
         "disabled": monitor.disabled,
         "failure": monitor.failure,
         "reads": monitor.reads,
-        "global_step": hooks.watch.loop.global_step,
+        "global_step": loop.steps.count,
         "last": {k: repr(v) for k, v in monitor.last_report.as_dict().items()},
         "alerts": [a.step for a in monitor.alerts_fired],
     }

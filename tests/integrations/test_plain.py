@@ -1,13 +1,12 @@
-"""The plain-loop engine's own contract: stop decisions, fail-open, misuse, and the HF
-callback's stop."""
+"""The engine used directly in a plain loop: stop decisions, fail-open, misuse; the Fabric
+helper and the HF callback's stop."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from normscope import DeadDirectionMonitor, DeadDirectionTracker
-from normscope.integrations import Watch
+from normscope import ConfigurationError, Monitor
 from tests.integrations import loops
 
 
@@ -20,12 +19,12 @@ def _step(model, optimizer, batch):
 def test_stop_on_alert_reaches_the_loop():
     model = loops.gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    tracker = DeadDirectionTracker(model)
+    monitor = Monitor.dead_direction(model, every_n_steps=2, stop_on_alert=True, alerts=())
     batch = next(iter(loops.loader()))
-    with tracker.step(batch, every_n_steps=2, stop_on_alert=True, alerts=()) as first:
+    with monitor.step(batch) as first:
         _step(model, optimizer, batch)  # residual discovery watches this step's forward
     assert first.report is None and not first.should_stop
-    with tracker.step(batch) as read:  # the baseline window
+    with monitor.step(batch) as read:  # the baseline window
         _step(model, optimizer, batch)
     assert read.should_stop and [a.rule for a in read.alerts] == ["sigma_min_collapse"]
     assert read.report.step == 2 and read.report.sigma_min_ratio_min < 0.2
@@ -34,7 +33,7 @@ def test_stop_on_alert_reaches_the_loop():
 def test_a_failing_read_disables_the_monitor_not_the_loop(monkeypatch):
     model = loops.gpt2(cancel=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    watch = Watch(DeadDirectionMonitor(every_n_steps=1, verbose=False, alerts=()), model)
+    watch = Monitor.dead_direction(model, every_n_steps=1, verbose=False, alerts=())
     batch = next(iter(loops.loader()))
     with watch.step(batch) as discovery:  # residual discovery watches this forward
         _step(model, optimizer, batch)
@@ -46,14 +45,14 @@ def test_a_failing_read_disables_the_monitor_not_the_loop(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(watch.monitor.tracker, "read", broken)
+    monkeypatch.setattr(watch.tracker, "read", broken)
     with pytest.warns(UserWarning, match="disabled itself.*boom"):
         with watch.step(batch) as second:
             _step(model, optimizer, batch)
-    assert second.report is None and watch.monitor.disabled
+    assert second.report is None and watch.disabled
     with watch.step(batch) as third:  # the loop goes on; nothing more is read
         _step(model, optimizer, batch)
-    assert third.report is None and watch.global_step == 4
+    assert third.report is None and watch.steps == 4
     assert ours(model) == 0  # its hooks are gone
 
 
@@ -69,13 +68,15 @@ def ours(model) -> int:
 
 def test_misuse_is_a_clear_error():
     model = loops.gpt2(cancel=False)
-    watch = Watch(DeadDirectionMonitor(verbose=False), model)
-    with pytest.raises(RuntimeError, match="call start"):
-        watch.stepped()
-    with pytest.raises(TypeError, match="nn.Module"):
-        Watch(DeadDirectionMonitor(), object())
+    with pytest.raises(RuntimeError, match="needs a model"):
+        with Monitor.dead_direction(verbose=False).step():
+            pass
+    with pytest.raises(ConfigurationError, match="every_n_steps"):
+        Monitor.dead_direction(model, every_n_steps=0)
+    with pytest.raises(ConfigurationError, match="no_such_option"):
+        Monitor.dead_direction(model, no_such_option=1)
     with pytest.raises(TypeError, match="callable or a logger"):
-        Watch(DeadDirectionMonitor(), model, log=42)
+        Monitor.dead_direction(model, log=42)
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -88,12 +89,12 @@ def test_hf_stop_on_alert_stops_the_trainer(tmp_path):
 
 @pytest.mark.filterwarnings("ignore")
 def test_watch_fabric_helper_logs_the_plain_loops_reads(tmp_path):
-    """The helper path (``watch_fabric``, ``with watch.step(batch)``), logging through the
-    Fabric's loggers: the same reads as ``tracker.step``, bit for bit."""
+    """The helper path (``watch_fabric``, ``with monitor.step(batch)``), logging through the
+    Fabric's loggers: the same reads as the plain loop, bit for bit."""
     from lightning.fabric import Fabric
     from lightning.fabric.loggers import CSVLogger
 
-    from normscope.integrations import watch_fabric
+    from normscope.adapters.fabric import watch_fabric
     from normscope.runs import read_csv_run
 
     reference, _ = loops.run_plain("dd")
@@ -101,7 +102,7 @@ def test_watch_fabric_helper_logs_the_plain_loops_reads(tmp_path):
     model = loops.gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=loops.LR)
     model, optimizer = fabric.setup(model, optimizer)
-    watch = watch_fabric(fabric, model, DeadDirectionMonitor(**loops.MONITOR_ARGS))
+    watch = watch_fabric(fabric, model, **loops.MONITOR_ARGS)
     batch = next(iter(loops.loader()))
     for _ in range(loops.STEPS):
         with watch.step(batch):
@@ -121,11 +122,9 @@ def test_fabric_sharded_strategies_are_refused():
     from types import SimpleNamespace
 
     from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    from normscope.adapters.fabric import _check_fabric_strategy
+    from normscope.adapters.fabric import check_fabric_strategy
 
     for cls in (FSDPStrategy, DeepSpeedStrategy):
         strategy = cls.__new__(cls)  # DeepSpeed is not installed: no __init__
-        with pytest.raises(MisconfigurationException, match="not supported.*sharded"):
-            _check_fabric_strategy(SimpleNamespace(strategy=strategy), DeadDirectionMonitor())
+        with pytest.raises(ConfigurationError, match="not supported.*sharded"):
+            check_fabric_strategy(SimpleNamespace(strategy=strategy), "DeadDirectionMonitor")

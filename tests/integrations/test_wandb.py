@@ -120,19 +120,21 @@ def test_log_per_layer_on_32_layers():
     run-level keys alone; bad values are refused."""
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    from normscope import DeadDirectionTracker
+    from normscope import Monitor
     from normscope.engine.publish import select_layers
     from tests.callbacks.tiny_models import TinyLM
 
     torch.manual_seed(0)
     model = TinyLM(d=8, layers=32, heads=2)
     logged = {}
-    tracker = DeadDirectionTracker(model)
+    monitor = Monitor.dead_direction(
+        model, every_n_steps=1, log_per_layer=3, log=logged.update, alerts=(), verbose=False
+    )
     x = torch.randint(0, 32, (4, 12))
     for _ in range(2):  # step 0's forward is residual discovery's; step 1 is read
-        with tracker.step(x, every_n_steps=1, log_per_layer=3, log=logged.update, alerts=()):
+        with monitor.step(x):
             model(x).sum().backward()
-    full = tracker._normscope_watch.monitor.last_report.as_dict()
+    full = monitor.last_report.as_dict()
     assert len(full) > 1200
     run_level = {k for k in full if k.count("/") == 1}
     assert run_level <= set(logged)
@@ -152,11 +154,11 @@ def test_log_per_layer_on_32_layers():
 
 
 def test_plain_loop_with_wandb_log_summarises_the_minimum(tmp_path, monkeypatch):
-    """``tracker.step(..., log=wandb.log)``: the run-level keys are declared on the active run,
+    """``Monitor.dead_direction(model, log=wandb.log)``: the run-level keys are declared on the active run,
     so its summary of ``dd/sigma_min_ratio_min`` is the minimum over the reads, not the last."""
     import wandb
 
-    from normscope import DeadDirectionTracker
+    from normscope import Monitor
     from tests.callbacks.tiny_models import TinyLM
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -164,16 +166,16 @@ def test_plain_loop_with_wandb_log_summarises_the_minimum(tmp_path, monkeypatch)
     torch.manual_seed(0)
     model = TinyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    tracker = DeadDirectionTracker(model)
     x = torch.randint(0, 32, (8, 16))
     run = wandb.init(project="normscope-test", dir=str(tmp_path))
+    monitor = Monitor.dead_direction(model, every_n_steps=1, log=wandb.log, alerts=())
     ratios = []
     for step in range(5):
         if step == 2:
             model.set_cancel(1, 0.95)  # the dip: read after step 3
         elif step == 3:
             model.h[1].cancel = 0.0
-        with tracker.step(x, every_n_steps=1, log=wandb.log, alerts=()) as read:
+        with monitor.step(x) as read:
             model(x).sum().backward()
             optimizer.step()
             optimizer.zero_grad()

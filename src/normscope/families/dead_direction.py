@@ -298,9 +298,12 @@ class DeadDirectionTracker:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([c.to(counts[0].device) for c in counts]).min()
 
-    def read(self, step: int = 0, *, reduce: bool = True) -> DeadDirectionReport:
+    def read(
+        self, step: int = 0, *, reduce: bool = True, reset: bool = True
+    ) -> DeadDirectionReport:
         """Reduce across processes (``reduce``; every rank must call this at the same step),
-        run every read and start a new window. Under several processes every rank solves a
+        run every read and start a new window (``reset``; ``False`` keeps the window: the
+        same accumulators can be read again, as ``benchmarks/read_cost.py`` does). Under several processes every rank solves a
         round-robin share and the records are gathered: every rank gets the same full report
         (:mod:`normscope.families.dead_direction_read`, the one read path)."""
         if reduce:
@@ -315,7 +318,8 @@ class DeadDirectionTracker:
             self.reset()
             raise RuntimeError(f"the read failed: {errors[0]}")
         report = finish_report(self, window, parts)
-        self.reset()
+        if reset:
+            self.reset()
         return report
 
     def read_norm(

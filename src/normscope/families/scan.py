@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from normscope.families.dead_direction import DeadDirectionReport, DeadDirectionTracker
+from normscope.taps.sources import resolve_labels
 
 __all__ = ["call_model", "batch_mask", "scan_model"]
 
@@ -90,8 +91,6 @@ def scan_model(
     model.eval()
     labels: list[Any] = [None] * len(batches)
     if sources is not None:
-        from normscope.taps.sources import resolve_labels
-
         labels = [resolve_labels(sources, b) for b in batches]  # a bad spec raises here
     names = {n for lab in labels if lab is not None for n in lab.names}
     tracker = DeadDirectionTracker(

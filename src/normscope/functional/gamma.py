@@ -149,7 +149,7 @@ def predicted_kernel(
     return eye[:, list(read.dead_index)]
 
 
-def _resolve_gamma(gamma: torch.Tensor | GammaRead, d: int, where: str) -> GammaRead:
+def resolve_gamma(gamma: torch.Tensor | GammaRead, d: int, where: str) -> GammaRead:
     read = gamma if isinstance(gamma, GammaRead) else gamma_read(gamma)
     if read.dim != d:
         raise ValueError(

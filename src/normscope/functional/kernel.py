@@ -11,7 +11,7 @@ import torch
 from normscope.functional.covariance import symmetric_eigh, symmetric_eigvalsh
 from normscope.functional.gamma import (
     GammaRead,
-    _resolve_gamma,
+    resolve_gamma,
     predicted_kernel,
     row_count,
     square_matrix,
@@ -150,7 +150,7 @@ def kernel_read(
     """
     c = square_matrix(covariance, "kernel_read", "covariance")
     d = c.shape[0]
-    g = _resolve_gamma(gamma, d, "kernel_read")
+    g = resolve_gamma(gamma, d, "kernel_read")
     n = row_count(n_rows, "kernel_read")
     if declared_kind is not None and declared_kind not in DECLARED_KINDS:
         raise ValueError(

@@ -46,7 +46,7 @@ PERTURBATIONS = ("flip", "magnitude", "quant_binary", "quant_ternary")
 """The perturbation names :func:`probe_read` accepts (docs/metrics.md §2.3)."""
 
 
-def _matrix(w: torch.Tensor, name: str) -> torch.Tensor:
+def as_matrix(w: torch.Tensor, name: str) -> torch.Tensor:
     """``w`` detached as a float64 ``(out, in)`` matrix; ``ValueError`` for any other shape."""
     if not isinstance(w, torch.Tensor) or w.ndim != 2:
         shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
@@ -79,7 +79,7 @@ def flip_perturbation(
     """
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"flip_perturbation: p must be in [0, 1], got {p}")
-    w = _matrix(w, "flip_perturbation")
+    w = as_matrix(w, "flip_perturbation")
     gen_device = generator.device if generator is not None else w.device
     mask = torch.rand(w.shape, generator=generator, device=gen_device, dtype=torch.float64) < p
     return torch.where(mask.to(w.device), -2.0 * w, torch.zeros_like(w))
@@ -105,7 +105,7 @@ def matched_magnitude_perturbation(w: torch.Tensor, reference: torch.Tensor) -> 
         tensor([[ 2.8868, -2.8868],
                 [ 2.8868,  0.0000]], dtype=torch.float64)
     """
-    w = _matrix(w, "matched_magnitude_perturbation")
+    w = as_matrix(w, "matched_magnitude_perturbation")
     s = torch.sign(w)
     norm_s = float(s.norm())
     if norm_s == 0:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from normscope.functional.covariance import symmetric_eigh
-from normscope.functional.gamma import GammaRead, _resolve_gamma, row_count, square_matrix
+from normscope.functional.gamma import GammaRead, resolve_gamma, row_count, square_matrix
 from normscope.functional.kernel import DECLARED_KINDS
 
 __all__ = ["SchurRead", "deepening", "rows_comparable", "schur_quotient"]
@@ -135,7 +135,7 @@ def schur_quotient(
     """
     c = square_matrix(input_covariance, "schur_quotient", "input_covariance")
     d = c.shape[0]
-    g = _resolve_gamma(gamma, d, "schur_quotient")
+    g = resolve_gamma(gamma, d, "schur_quotient")
     n = row_count(n_rows, "schur_quotient")
     if not (isinstance(ridge, (int, float)) and math.isfinite(ridge) and ridge >= 0):
         raise ValueError(f"schur_quotient: ridge must be a finite number >= 0, got {ridge!r}")

@@ -37,7 +37,7 @@ import torch
 from normscope.functional.perturbation import (
     PERTURBATIONS,
     ProbeRead,
-    _matrix,
+    as_matrix,
     asymmetry_ratio,
     asymmetry_theory,
     flip_perturbation,
@@ -99,7 +99,7 @@ def ternary_quantize(w: torch.Tensor, eps: float = 1e-8) -> tuple[torch.Tensor, 
         (tensor([[ 0., -1.],
                 [ 1.,  1.]], dtype=torch.float64), 1.0)
     """
-    w = _matrix(w, "ternary_quantize")
+    w = as_matrix(w, "ternary_quantize")
     s = float(w.abs().mean()) if w.numel() else 0.0
     return torch.clamp(torch.round(w / (s + eps)), -1, 1), s
 
@@ -125,7 +125,7 @@ def binary_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         >>> s_row
         tensor([2.0000, 0.5000], dtype=torch.float64)
     """
-    w = _matrix(w, "binary_quantize")
+    w = as_matrix(w, "binary_quantize")
     s_row = w.abs().mean(dim=1, keepdim=True)
     return s_row * torch.sign(w), s_row.squeeze(1)
 
@@ -145,7 +145,7 @@ def binary_quantization_error(w: torch.Tensor) -> torch.Tensor:
         tensor([[1., 1.]], dtype=torch.float64)
     """
     b, _ = binary_quantize(w)
-    return b - _matrix(w, "binary_quantization_error")
+    return b - as_matrix(w, "binary_quantization_error")
 
 
 def ternary_quantization_error(w: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,7 @@ def ternary_quantization_error(w: torch.Tensor) -> torch.Tensor:
                 [ 0.2500,  0.0000]], dtype=torch.float64)
     """
     q, s = ternary_quantize(w)
-    return s * q - _matrix(w, "ternary_quantization_error")
+    return s * q - as_matrix(w, "ternary_quantization_error")
 
 
 # --------------------------------------------------------------------- parameter reads
@@ -188,7 +188,7 @@ def sign_alignment(w: torch.Tensor, *, rowwise: bool = False) -> float:
         >>> sign_alignment(torch.tensor([[1.0, 3.0], [2.0, 2.0]]), rowwise=True)
         0.9
     """
-    w = _matrix(w, "sign_alignment")
+    w = as_matrix(w, "sign_alignment")
     if w.numel() == 0:
         return math.nan
     if not rowwise:
@@ -214,7 +214,7 @@ def ternary_alignment(w: torch.Tensor) -> float:
         0.8333
     """
     q, _ = ternary_quantize(w)
-    return _cos2(_matrix(w, "ternary_alignment"), q)
+    return _cos2(as_matrix(w, "ternary_alignment"), q)
 
 
 def ternary_sparsity(w: torch.Tensor) -> float:

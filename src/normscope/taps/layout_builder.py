@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from normscope.taps.residual_layout import ResidualLayout, ResidualPoint
-from normscope.taps.stack_trace import _StackTrace
+from normscope.taps.stack_trace import StackTrace
 
 _POST_NORM_NOTE = (
     "post-norm blocks: the residual stream is the norms' outputs, so the profile is taken over "
@@ -25,7 +25,7 @@ def _names(paths: list[str], limit: int = 4) -> str:
     return ", ".join(paths[:limit]) + more
 
 
-def _points(trace: _StackTrace, blocks: list[str], style: str) -> list[ResidualPoint]:
+def _points(trace: StackTrace, blocks: list[str], style: str) -> list[ResidualPoint]:
     if style in ("post-norm", "boundaries"):  # the block boundaries
         first = ResidualPoint(blocks[0], blocks[0], "input", None, 0)
         return [first] + [
@@ -48,10 +48,10 @@ def _points(trace: _StackTrace, blocks: list[str], style: str) -> list[ResidualP
 
 
 def _notes(
-    trace: _StackTrace,
+    trace: StackTrace,
     styles: list[str],
     points: list[ResidualPoint],
-    others: list[_StackTrace],
+    others: list[StackTrace],
     fallback: str | None = None,
 ) -> list[str]:
     blocks = [b for b, _ in trace.blocks]
@@ -111,7 +111,7 @@ def _notes(
     return notes
 
 
-def _layout(trace: _StackTrace, others: list[_StackTrace]) -> ResidualLayout:
+def build_layout(trace: StackTrace, others: list[StackTrace]) -> ResidualLayout:
     blocks = [b for b, _ in trace.blocks]
     styles = [trace.block_style(r) for r in trace.records]
     style = styles[0] if len(set(styles)) == 1 else "mixed"

@@ -20,9 +20,9 @@ from normscope.taps.norm_layer import (
     KINDS,
     NormDiscoveryError,
     NormLayer,
-    _bias,
+    bias_of,
     _no_tensor,
-    _weight,
+    weight_of,
     full_tensor_float64,
 )
 
@@ -53,7 +53,7 @@ class NormAdapter(NamedTuple):
 
 
 # The user's adapters, newest first.
-_USER_ADAPTERS: list[NormAdapter] = []
+USER_ADAPTERS: list[NormAdapter] = []
 
 
 def register_norm_adapter(
@@ -103,14 +103,14 @@ def register_norm_adapter(
         )
     if not callable(gamma):
         raise TypeError(f"register_norm_adapter: gamma must be callable(module), got {gamma!r}")
-    _USER_ADAPTERS.insert(0, NormAdapter(match, kind, gamma, beta, eps, dim))
+    USER_ADAPTERS.insert(0, NormAdapter(match, kind, gamma, beta, eps, dim))
 
 
 def unregister_norm_adapter(match: type | Callable[[nn.Module], bool]) -> bool:
     """Remove every adapter registered with ``match``; ``True`` if one was removed."""
-    before = len(_USER_ADAPTERS)
-    _USER_ADAPTERS[:] = [a for a in _USER_ADAPTERS if a.match is not match]
-    return len(_USER_ADAPTERS) < before
+    before = len(USER_ADAPTERS)
+    USER_ADAPTERS[:] = [a for a in USER_ADAPTERS if a.match is not match]
+    return len(USER_ADAPTERS) < before
 
 
 def _matches(match: object, module: nn.Module) -> bool:
@@ -148,9 +148,9 @@ def _from_torch_class(name: str, module: nn.Module) -> NormLayer | str:
     kind = "layernorm" if isinstance(module, nn.LayerNorm) else "rmsnorm"
     eps = module.eps
     if eps is None:  # nn.RMSNorm(eps=None) uses finfo(input dtype).eps at run time
-        w = _weight(module)
+        w = weight_of(module)
         eps = torch.finfo(w.dtype if w is not None else torch.float32).eps
-    convention = "w" if _weight(module) is not None else "none"
+    convention = "w" if weight_of(module) is not None else "none"
     return NormLayer(name, module, kind, shape[0], float(eps), convention, "class")
 
 
@@ -160,7 +160,7 @@ def _probe_kind(module: nn.Module, dim: int, eps: float) -> tuple[str, str] | st
     Returns ``(kind, convention)`` for a clear match, a reason string when the forward ran and
     matches none of the candidates, ``None`` when it could not run or was ambiguous.
     """
-    w, b = _weight(module), _bias(module)
+    w, b = weight_of(module), bias_of(module)
     ref = w if w is not None else b
     if ref is not None and (hasattr(ref, "full_tensor") or ref.is_meta):
         return None  # a shard or a meta tensor: the forward cannot run here
@@ -216,13 +216,13 @@ def _from_source(module: nn.Module) -> tuple[str, str]:
         src = ""
     name = type(module).__name__.lower()
     kind = "rmsnorm" if "rms" in name or not _CENTRES.search(src) else "layernorm"
-    if _weight(module) is None:
+    if weight_of(module) is None:
         return kind, "none"
     return kind, "1+w" if _ONE_PLUS_W.search(src) else "w"
 
 
 def _from_duck_type(name: str, module: nn.Module) -> NormLayer | str:
-    w = _weight(module)
+    w = weight_of(module)
     if w is not None and (not isinstance(w, torch.Tensor) or w.dim() != 1):
         return f"its weight is not a 1-D tensor (shape {tuple(getattr(w, 'shape', ()))})"
     dim = w.shape[0] if w is not None else None
@@ -251,9 +251,9 @@ def _from_duck_type(name: str, module: nn.Module) -> NormLayer | str:
     return NormLayer(name, module, kind, int(dim), eps, convention, evidence)
 
 
-def _understand(name: str, module: nn.Module) -> NormLayer | str | None:
+def understand(name: str, module: nn.Module) -> NormLayer | str | None:
     """A NormLayer, a reason it is a norm we cannot read, or None (not a norm at all)."""
-    for adapter in _USER_ADAPTERS:
+    for adapter in USER_ADAPTERS:
         if _matches(adapter.match, module):
             return _from_user_adapter(name, module, adapter)
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):

@@ -43,7 +43,7 @@ def full_tensor_float64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(dtype=torch.float64, copy=True)
 
 
-def _weight(module: nn.Module) -> torch.Tensor | None:
+def weight_of(module: nn.Module) -> torch.Tensor | None:
     return getattr(module, "weight", None)
 
 
@@ -51,7 +51,7 @@ def _no_tensor(module: nn.Module) -> None:
     return None
 
 
-def _bias(module: nn.Module) -> torch.Tensor | None:
+def bias_of(module: nn.Module) -> torch.Tensor | None:
     b = getattr(module, "bias", None)
     return b if isinstance(b, torch.Tensor) else None
 
@@ -95,10 +95,10 @@ class NormLayer:
     convention: str = "w"
     evidence: str = "class"
     gamma_fn: Callable[[nn.Module], torch.Tensor | None] = field(
-        default=_weight, repr=False, compare=False
+        default=weight_of, repr=False, compare=False
     )
     beta_fn: Callable[[nn.Module], torch.Tensor | None] = field(
-        default=_bias, repr=False, compare=False
+        default=bias_of, repr=False, compare=False
     )
 
     def gamma(self) -> torch.Tensor:

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from torch import nn
 
 from normscope.taps.norm_adapters import (
-    _USER_ADAPTERS,
+    USER_ADAPTERS,
     NormAdapter,
-    _understand,
+    understand,
     register_norm_adapter,
     unregister_norm_adapter,
 )
@@ -92,7 +92,7 @@ def discover_norm_layers(
     for name, module in model.named_modules():
         if name == "":
             continue
-        found = _understand(name, module)
+        found = understand(name, module)
         if isinstance(found, NormLayer):
             norms.append(found)
         elif isinstance(found, str):
@@ -123,8 +123,8 @@ def discover_norm_layers(
 
 def _no_norm_message(model: nn.Module, unrecognised: list[UnrecognisedNorm]) -> str:
     looked = "LayerNorm, RMSNorm, *RMSNorm, *LayerNorm"
-    if _USER_ADAPTERS:
-        looked += f", {len(_USER_ADAPTERS)} registered adapter(s)"
+    if USER_ADAPTERS:
+        looked += f", {len(USER_ADAPTERS)} registered adapter(s)"
     msg = f"no normalisation layer found in {type(model).__name__} (looked for {looked})"
     if unrecognised:
         msg += "; not understood: " + ", ".join(f"{u.name} ({u.class_name})" for u in unrecognised)

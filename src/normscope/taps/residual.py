@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from normscope.taps.hooks import tap_input, tap_output
-from normscope.taps.layout_builder import _layout
+from normscope.taps.layout_builder import build_layout
 from normscope.taps.norms import NormLayer, find_norm_layers
 from normscope.taps.residual_layout import ResidualDiscoveryError, ResidualLayout, ResidualPoint
-from normscope.taps.stack_trace import _StackTrace
+from normscope.taps.stack_trace import StackTrace
 from normscope.taps.stacks import same_class_stacks
 
 __all__ = [
@@ -55,19 +55,19 @@ __all__ = [
 ]
 
 
-def _candidate_stacks(model: nn.Module, norm_ids: set[int]) -> list[_StackTrace]:
+def _candidate_stacks(model: nn.Module, norm_ids: set[int]) -> list[StackTrace]:
     """Every ModuleList/Sequential of same-class modules; those holding norms, if any do."""
     found = []
     for path, mod in same_class_stacks(model):
         blocks = [(f"{path}.{n}" if path else n, c) for n, c in mod.named_children()]
         norms_inside = sum(id(m) in norm_ids for _, c in blocks for m in c.modules())
-        found.append(_StackTrace(path, blocks, norms_inside))
+        found.append(StackTrace(path, blocks, norms_inside))
     if any(t.has_norms for t in found):
         found = [t for t in found if t.has_norms]
     return found
 
 
-def _guarded(traces: list[_StackTrace], fn: Callable[..., None]) -> Callable[..., None]:
+def _guarded(traces: list[StackTrace], fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` as a hook that never raises into the forward (it may be a training forward): a
     failure becomes every trace's problem, and discovery reports it at ``finish()``."""
 
@@ -81,11 +81,11 @@ def _guarded(traces: list[_StackTrace], fn: Callable[..., None]) -> Callable[...
     return hook
 
 
-def _install(traces: list[_StackTrace], norms: Sequence[NormLayer]) -> list:
+def _install(traces: list[StackTrace], norms: Sequence[NormLayer]) -> list:
     """Register the temporary hooks; return their handles."""
     norm_path = {id(n.module): n.name for n in norms}
     modules: dict[int, nn.Module] = {id(n.module): n.module for n in norms}
-    inside: dict[int, list[tuple[_StackTrace, int, str]]] = {}
+    inside: dict[int, list[tuple[StackTrace, int, str]]] = {}
     for trace in traces:
         for i, (_, block) in enumerate(trace.blocks):
             for rel, m in block.named_modules():
@@ -276,4 +276,4 @@ class ResidualDiscovery:
                 f"once, in order, reading the previous block's output): {tried}"
             )
         best = max(valid, key=lambda t: (t.has_norms, len(t.blocks), t.finish_order))
-        return _layout(best, [t for t in valid if t is not best])
+        return build_layout(best, [t for t in valid if t is not best])

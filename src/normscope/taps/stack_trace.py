@@ -105,7 +105,7 @@ class _Block:
     unexplained: list[str] = field(default_factory=list)  # stream-width norm inputs, no step
 
 
-class _StackTrace:
+class StackTrace:
     """The state machine that follows one candidate stack through the forward pass."""
 
     def __init__(self, path: str, blocks: list[tuple[str, nn.Module]], norms_inside: int) -> None:
