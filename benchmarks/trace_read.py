@@ -112,7 +112,7 @@ def trace_read(tmp: Path, every: int = 10) -> Trace:
     x = torch.randint(0, 64, (64 * (every + 1), 32))
     data = torch.utils.data.DataLoader(list(zip(x, x.roll(-1, 1))), batch_size=64)
     trace = Trace()
-    monitor = DeadDirectionMonitor(every_n_steps=every, verbose=False, alerts=(), async_reads=False)
+    monitor = DeadDirectionMonitor(every_n_steps=every, async_reads=False)  # else the defaults
     trainer = L.Trainer(
         max_steps=every,
         accelerator="cpu",

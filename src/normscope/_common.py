@@ -25,6 +25,7 @@ __all__ = [
     "fmt_bytes",
     "is_rank_zero",
     "say",
+    "setup_logger",
     "warn_disabled",
     "warn_rank_zero",
 ]
@@ -56,11 +57,9 @@ def is_rank_zero() -> bool:
     return True
 
 
-def say(message: str) -> None:
-    """Tell a person something (a read line, a summary, a note), on rank zero: the ``normscope``
-    logger at INFO, which prints to stderr unless the application configured it."""
-    if not is_rank_zero():
-        return
+def setup_logger() -> None:
+    """Make the ``normscope`` logger print INFO to stderr, unless the application configured
+    logging itself (a handler on it or on the root logger)."""
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -68,6 +67,14 @@ def say(message: str) -> None:
         logger.propagate = False
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
+
+
+def say(message: str) -> None:
+    """Tell a person something (a read line, a summary, a note), on rank zero: the ``normscope``
+    logger at INFO, which prints to stderr unless the application configured it."""
+    if not is_rank_zero():
+        return
+    setup_logger()
     logger.info(message)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from normscope.alerts import SigmaMinRatioRule
 from normscope.functional.profile import MIN_ROWS_PER_DIM, ratio_bounds, sigma_min_profile
-from normscope.alerts.sources import below_floor
+from normscope.alerts.rules import below_floor
 
 
 def test_the_interval_formula_and_its_edges():

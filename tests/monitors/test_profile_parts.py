@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from normscope.functional.profile import sigma_min_profile
-from normscope.families.dead_direction_read import point_sigma, profile_from_parts
+from normscope.families.dead_direction import point_sigma, profile_from_parts
 
 
 def _moment(d: int, scale: float, seed: int) -> torch.Tensor:

@@ -13,10 +13,10 @@ from examples import sources as example
 from normscope import Monitor, DeadDirectionTracker, scan_model
 from normscope.alerts import SigmaMinRatioRule, SourceCollapseRule
 from normscope.functional import StreamingCovariance
-from normscope.engine.publish import select_layers
+from normscope.engine.monitor import select_layers
 from normscope.families.budget import tap_cost as _tap_cost
-from normscope.families.scan import call_model
-from normscope.alerts.sources import below_floor, classify_collapses
+from normscope.taps.hooks import call_model
+from normscope.alerts.rules import below_floor, classify_collapses
 
 torch.set_num_threads(1)
 
@@ -264,7 +264,7 @@ def test_plain_loop_step_with_sources():
 
 
 def test_read_line_names_the_sources_and_the_class():
-    from normscope.families.format import format_read_line
+    from normscope.families.dead_direction import format_read_line
 
     r = scan_model(model("source"), mixture_batches(), sources="source")
     line = format_read_line(r)

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
-from normscope.families.scan import call_model
+from normscope.taps.hooks import call_model
 from tests.reliability.models import (
     DictLM,
     FeatureLM,

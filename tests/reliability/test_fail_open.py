@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
-from normscope.families.format import format_read_line
+from normscope.families.dead_direction import format_read_line
 from normscope.families.sign_magnitude import SignMagnitudeTracker
 from tests.reliability.models import (
     DDFailingCSVLogger,

@@ -53,7 +53,7 @@ from tests.scaleout.shards import (
 
 def _discovery_forward(module: L.LightningModule, batch: Any) -> Any:
     """The separate discovery forward (the ``sources=`` label field is no model input)."""
-    from normscope.families.scan import call_model
+    from normscope.taps.hooks import call_model
 
     return call_model(module, batch, ("source",))
 

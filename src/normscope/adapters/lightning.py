@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import (
@@ -33,7 +34,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from normscope._common import ConfigurationError
-from normscope.adapters.fabric import FabricLoop, is_fabric
+from normscope.adapters.fabric import FabricLoop
 from normscope.alerts import Alert, AlertRule
 from normscope.engine import Monitor, StepResult, Target
 from normscope.families import DeadDirectionFamily, SignMagnitudeFamily
@@ -149,7 +150,7 @@ class _LightningMonitor(Callback):
 
     # ------------------------------------------------------------ set-up
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if is_fabric(trainer):
+        if isinstance(trainer, Fabric):
             return None  # Fabric: the monitor sets itself up at the first batch
         if stage != "fit" or self.engine.disabled:
             return
@@ -159,7 +160,7 @@ class _LightningMonitor(Callback):
         self._watch(trainer, pl_module)  # a monitor kept for a second fit: this fit's loggers
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if is_fabric(trainer):
+        if isinstance(trainer, Fabric):
             return None
         if self.engine.tracker is None and not self.engine.disabled:
             self._watch(trainer, pl_module)
@@ -186,7 +187,7 @@ class _LightningMonitor(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if is_fabric(trainer):
+        if isinstance(trainer, Fabric):
             self._fabric_loop(trainer, pl_module).begin(batch)
             return
         self.engine.begin(trainer.global_step, batch)
@@ -199,7 +200,7 @@ class _LightningMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if is_fabric(trainer):
+        if isinstance(trainer, Fabric):
             self._fabric_loop(trainer, pl_module).end()
             return
         self._apply(trainer, self.engine.end(trainer.global_step))
@@ -208,16 +209,16 @@ class _LightningMonitor(Callback):
         self.engine.pause()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if is_fabric(trainer):
+        if isinstance(trainer, Fabric):
             return
         self._apply(trainer, self.engine.finish())  # the last read is never lost
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if is_fabric(trainer):
+        if isinstance(trainer, Fabric):
             self._fabric_loop(trainer, pl_module).close()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if is_fabric(trainer):
+        if isinstance(trainer, Fabric):
             loop = self.__dict__.get("_fabric")
             if loop is not None:
                 loop.close()
@@ -310,7 +311,7 @@ class DeadDirectionMonitor(_LightningMonitor):
             at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
             naming the cadence that would not; ``None``: never.
         log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
-            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.engine.publish`)
+            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.engine.monitor`)
             and every run-level key. Alert rules still see every layer.
         sources: name each sampled row's source: ``fn(batch) -> str`` (the whole batch one
             source), ``fn(batch) -> labels`` (a sequence or tensor, one per sample) or a batch
@@ -410,6 +411,16 @@ class DeadDirectionMonitor(_LightningMonitor):
         )
 
     @property
+    def charts_every_n_reads(self) -> int:
+        """W&B: the profile chart and the spectrum table at the first read and every this many
+        reads (10)."""
+        return self.engine.family.charts_every_n_reads
+
+    @charts_every_n_reads.setter
+    def charts_every_n_reads(self, every: int) -> None:
+        self.engine.family.charts_every_n_reads = every
+
+    @property
     def sigma_min_ratio_min(self) -> float:
         """The last read's smallest cumulative ratio (NaN before the first read)."""
         report = self.engine.last_report
@@ -449,7 +460,7 @@ class SignMagnitudeMonitor(_LightningMonitor):
             at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
             naming the cadence that would not; ``None``: never.
         log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
-            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.engine.publish`)
+            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.engine.monitor`)
             and every run-level key. Alert rules still see every layer.
         name: tell this monitor from others in the same fit: its keys read ``sm[name]/...``
             instead of ``sm/...`` and its alerts name it (``SignMagnitudeMonitor[name]: ...``);

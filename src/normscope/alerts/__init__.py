@@ -16,11 +16,17 @@ Example::
 
 from __future__ import annotations
 
-from normscope.alerts.defaults import default_dead_direction_rules
-from normscope.alerts.records import Alert, AlertRule
-from normscope.alerts.rules import CallableRule, KernelLossRule, OutlierRule, SignChurnSpikeRule
-from normscope.alerts.sigma import SigmaMinRatioRule
-from normscope.alerts.sources import SourceCollapseRule
+from normscope.alerts.rules import (
+    Alert,
+    AlertRule,
+    CallableRule,
+    KernelLossRule,
+    OutlierRule,
+    SigmaMinRatioRule,
+    SignChurnSpikeRule,
+    SourceCollapseRule,
+    default_dead_direction_rules,
+)
 from normscope.alerts.sinks import CallableSink, LogSink, WandbSink, build_sinks
 
 __all__ = [

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from normscope.alerts.records import Alert
+from normscope.functional.profile import ratio_bounds
 
-__all__ = ["CallableRule", "KernelLossRule", "OutlierRule", "SignChurnSpikeRule"]
+__all__ = ["Alert", "AlertRule", "CLASS_CODE", "CallableRule", "Collapse", "KernelLossRule", "OutlierRule", "SigmaMinRatioRule", "SignChurnSpikeRule", "SourceCollapseRule", "below_floor", "classify_collapses", "collapse_keys", "default_dead_direction_rules", "source_reads"]
 
 
 class KernelLossRule:
@@ -184,3 +185,714 @@ class CallableRule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
+
+
+# ============================================================================
+# The alert record and the rule protocol every alert rule follows.
+# ============================================================================
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alert: which rule, which metric key, where (point and sublayer), when, how bad."""
+
+    rule: str
+    key: str
+    step: int
+    value: float
+    threshold: float
+    message: str
+    point: str | None = None
+    sublayer: str | None = None
+    #: the monitor that raised it: ``"DeadDirectionMonitor"``, or with its name
+    #: ``"DeadDirectionMonitor[fast]"`` (then ``key`` is the key that monitor logs, ``dd[fast]/...``)
+    monitor: str | None = None
+
+    @property
+    def title(self) -> str:
+        """A short title (W&B caps alert titles near 64 characters); a named monitor's alert
+        says its name: ``normscope[fast]: sigma_min_collapse at mlp``."""
+        where = f" at {self.sublayer}" if self.sublayer else ""
+        named = (
+            self.monitor[self.monitor.find("[") :] if self.monitor and "[" in self.monitor else ""
+        )
+        return f"normscope{named}: {self.rule}{where}"[:63]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "key": self.key,
+            "step": self.step,
+            "value": self.value,
+            "threshold": self.threshold,
+            "point": self.point,
+            "sublayer": self.sublayer,
+            "message": self.message,
+            "monitor": self.monitor,
+        }
+
+
+class AlertRule(Protocol):
+    name: str
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# ============================================================================
+# The residual-stream rules: a ``sigma_min`` ratio collapse, and its class over the sources.
+# ============================================================================
+
+
+class SigmaMinRatioRule:
+    """Residual collapse: a ``sigma_min`` ratio below ``alert_below - tolerance``, with
+    confidence from the rows behind it.
+
+    docs/metrics.md §1.4: with identity skips and no cancellation ``sigma_min`` cannot fall with
+    depth, so both the cumulative ratio ``sigma_min(p_k) / sigma_min(p_0)`` and the step ratio
+    ``sigma_min(p_k) / sigma_min(p_{k-1})`` stay >= 1. The rule watches both (``watch``): the
+    step ratio localises a collapse even where ``p_0`` (an embedding) is so narrow that the
+    cumulative ratio stays far above 1 -- in the demo a cancelling MLP branch takes the step at
+    its sublayer to 0.39 while every cumulative ratio stays above 3.
+
+    **Rows.** A ratio read from ``N`` rows in ``d`` dimensions is biased low and noisy when
+    ``N / d`` is small (Marchenko–Pastur), so a point counts as *below* only when the upper end
+    of its interval (``<ratio>_hi``, :func:`normscope.functional.profile.ratio_bounds`) is under
+    the threshold. A point under the threshold whose interval reaches above it is *undecided*
+    (``undecided[point]``: ``"not_confident"``, or ``"too_few_rows_for_bounds"`` below
+    ``N / d = min_rows_per_dim``) and never alerts. Logs without the interval keys (written by
+    normscope before 0.3) are judged on the ratio itself.
+
+    **The premise.** Where the no-cancellation margin was measured on the same rows
+    (docs/metrics.md §1.4), ``step^2 >= 1 + margin`` holds exactly: a collapse needs the
+    premise to fail there. A step under that floor contradicts its own rows (a numerical
+    fault, ``"contradicts_margin"``) and is not an alert; an alert says how far the premise
+    fails (the margin).
+
+    **A sudden drop.** Small models in early training dip well below 1 with nothing wrong
+    (measured: a healthy 4 x 64 demo GPT reads step ratios down to 0.62 between steps 9 and
+    40), slowly, over many reads; a cancelling branch drops a point's step ratio from about 1
+    to under half in one read. So the floor is low (``alert_below - tolerance`` = 0.6) and a
+    second, higher one (``drop_below`` = 0.85, on the interval's top as well) counts only for
+    a step ratio under ``drop`` x the same point's step ratio at the previous read (and, once
+    below, for as long as it stays under ``drop_below``: one collapse, one alert). The
+    operating point of these defaults (0 false alarms on the healthy sweep of
+    ``benchmarks/alert_roc.py``, detection delays there) is in docs/alerts.md.
+
+    Args:
+        alert_below: the theoretical floor (1.0).
+        tolerance: how far below ``alert_below`` a ratio may dip before it counts.
+        patience: consecutive reads below the threshold before the alert fires.
+        warmup_reads: the first reads of a run, which never alert.
+        watch: which ratios to check: ``("ratio", "step")`` (default), or one of them.
+        min_rows_per_dim: the least ``N / d`` a read needs to decide (the monitor keeps a
+            window open until it has that many rows, at most ``every_n_steps`` steps more).
+        drop: a step ratio under this share of the point's previous step ratio is a sudden
+            drop, judged against ``drop_below`` instead of the threshold; None: off.
+        drop_below: the floor for a sudden drop (``>=`` the threshold).
+
+    Example::
+
+        >>> rule = SigmaMinRatioRule()
+        >>> low = {"dd/h.1/sigma_min_step": 0.5, "dd/h.1/sigma_min_step_hi": 0.56,
+        ...        "dd/rows_per_dim": 50.0}
+        >>> [a.point for a in rule.evaluate(low, step=10)]
+        ['h.1']
+        >>> few = {"dd/h.1/sigma_min_step": 0.5, "dd/h.1/sigma_min_step_hi": float("nan"),
+        ...        "dd/rows_per_dim": 2.0}
+        >>> rule.evaluate(few, step=20), rule.undecided
+        ([], {'h.1': 'too_few_rows_for_bounds'})
+    """
+
+    name = "sigma_min_collapse"
+
+    def __init__(
+        self,
+        alert_below: float = 1.0,
+        tolerance: float = 0.4,
+        patience: int = 1,
+        warmup_reads: int = 0,
+        watch: Sequence[str] = ("ratio", "step"),
+        min_rows_per_dim: float = 4.0,
+        drop: float | None = 0.6,
+        drop_below: float = 0.85,
+    ) -> None:
+        if patience < 1:
+            raise ValueError(f"SigmaMinRatioRule: patience must be >= 1, got {patience}")
+        if tolerance < 0 or warmup_reads < 0:
+            raise ValueError("SigmaMinRatioRule: tolerance and warmup_reads must be >= 0")
+        if not watch or any(w not in ("ratio", "step") for w in watch):
+            raise ValueError(
+                f"SigmaMinRatioRule: watch must name 'ratio' and/or 'step', got {watch!r}"
+            )
+        if not min_rows_per_dim >= 2:
+            raise ValueError(
+                f"SigmaMinRatioRule: min_rows_per_dim must be >= 2 (the profile reads NaN "
+                f"below 2 d rows), got {min_rows_per_dim}"
+            )
+        if drop is not None and not 0 < drop < 1:
+            raise ValueError(f"SigmaMinRatioRule: drop must be in (0, 1) or None, got {drop}")
+        self.drop = drop
+        self.drop_below = float(drop_below)
+        self.previous_step: dict[str, float] = {}  # each point's step ratio at the last read
+        self.alert_below = alert_below
+        self.tolerance = tolerance
+        self.patience = patience
+        self.warmup_reads = warmup_reads
+        self.min_rows_per_dim = float(min_rows_per_dim)
+        self.suffixes = tuple(f"/sigma_min_{w}" for w in watch)
+        self.sublayers: dict[str, str | None] = {}  # by point; the monitor fills it
+        self.reads = 0
+        self.below: dict[str, int] = {}
+        self.undecided: dict[str, str] = {}  # the last read's points under the line, undecided
+
+    @property
+    def threshold(self) -> float:
+        return self.alert_below - self.tolerance
+
+    def decide(
+        self,
+        values: Mapping[str, float],
+        *,
+        threshold: float | None = None,
+        suffixes: Sequence[str] | None = None,
+    ) -> tuple[bool | None, str | None, float]:
+        """One point's read: ``(below, metric, value)``, against ``threshold`` (default: the
+        rule's) on the ratios ``suffixes`` names (default: those it watches).
+
+        ``values`` holds the point's metrics by name (``sigma_min_ratio``, ``sigma_min_step``,
+        their ``_lo``/``_hi`` and ``rows_per_dim``, when logged; a per-source read gives
+        ``n_rows`` and ``rows_per_dim`` and the interval is computed here). ``below`` is True
+        when a watched ratio's interval lies under the threshold, False when every finite
+        watched ratio is at or above it (``sigma_min`` is read low, not high) with rows enough
+        for an interval, None when the rows cannot decide (then
+        ``metric`` is the reason: ``"too_few_rows_for_bounds"``, ``"not_confident"``, or
+        ``"no_finite_ratio"``). Otherwise ``metric`` names the smallest watched ratio below
+        (or the smallest one), ``value`` its value.
+        """
+        per_dim = values.get("rows_per_dim", math.nan)
+        rows = values.get("n_rows", math.nan)
+        thr = self.threshold if threshold is None else threshold
+        reads: list[tuple[float, str, float, float]] = []  # value, metric, lo, hi
+        for suffix in self.suffixes if suffixes is None else suffixes:
+            metric = suffix[1:]
+            value = values.get(metric, math.nan)
+            if not math.isfinite(value):
+                continue
+            if f"{metric}_hi" in values:
+                lo, hi = values.get(f"{metric}_lo", math.nan), values[f"{metric}_hi"]
+            elif "rows_per_dim" in values and "n_rows" in values:
+                lo, hi = ratio_bounds(value, rows, per_dim)
+            else:  # a log without intervals: the ratio itself decides
+                lo = hi = value
+            if math.isfinite(per_dim) and per_dim < self.min_rows_per_dim:
+                lo = hi = math.nan
+            reads.append((float(value), metric, lo, hi))
+        if not reads:
+            return None, "no_finite_ratio", math.nan
+        below = [r for r in reads if r[3] < thr]
+        if below:
+            value, metric, _, _ = min(below)
+            return True, metric, value
+        if any(math.isnan(r[3]) for r in reads):
+            return None, "too_few_rows_for_bounds", min(reads)[0]
+        if all(r[0] >= thr for r in reads):
+            # sigma_min is read low, not high: a ratio at or above the line is no collapse
+            value, metric, _, _ = min(reads)
+            return False, metric, value
+        return None, "not_confident", min(reads)[0]
+
+    @property
+    def _step_suffixes(self) -> tuple[str, ...]:
+        return tuple(s for s in self.suffixes if s == "/sigma_min_step")
+
+    def _sudden_drop(self, values: Mapping[str, float], previous: float) -> bool:
+        """The step ratio fell under ``drop`` x its previous read and its interval's top is
+        under ``drop_below`` (rows enough for an interval; a log without one: the ratio)."""
+        step_value = values.get("sigma_min_step", math.nan)
+        if not (math.isfinite(step_value) and math.isfinite(previous)):
+            return False
+        return step_value < (self.drop or 0.0) * previous and self._under_drop_floor(values)
+
+    def _under_drop_floor(self, values: Mapping[str, float]) -> bool:
+        """The step ratio's interval top is under ``drop_below`` (never with ``drop=None``)."""
+        if self.drop is None:
+            return False
+        floor = min(self.drop_below, self.alert_below)
+        return bool(self.decide(values, threshold=floor, suffixes=self._step_suffixes)[0])
+
+    def step_below(self, values: Mapping[str, float]) -> bool:
+        """Is the point's own step ratio below the threshold, with confidence? A point below
+        on its cumulative ratio alone, downstream of a collapse, is that collapse's echo."""
+        return bool(self.decide(values, suffixes=self._step_suffixes)[0])
+
+    def _points(self, metrics: Mapping[str, float]) -> dict[str, dict[str, float]]:
+        """The pooled ``dd/<point>/<metric>`` keys by point (profile points only)."""
+        names = {s[1:] for s in self.suffixes}
+        wanted = {"sigma_min_ratio", "sigma_min_step", "rows_per_dim", "n_rows"}
+        wanted.add("no_cancellation_margin")
+        wanted |= {f"{n}_{e}" for n in ("sigma_min_ratio", "sigma_min_step") for e in ("lo", "hi")}
+        points: dict[str, dict[str, float]] = {}
+        for key, value in metrics.items():
+            if not key.startswith("dd/"):
+                continue
+            point, _, metric = key[len("dd/") :].rpartition("/")
+            if point and metric in wanted:
+                points.setdefault(point, {})[metric] = float(value)
+        per_dim = metrics.get("dd/rows_per_dim")
+        if per_dim is not None:  # one N/d per read: the points fold the same rows
+            for values in points.values():
+                values.setdefault("rows_per_dim", float(per_dim))
+        return {p: v for p, v in points.items() if names & v.keys()}
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
+        self.reads += 1
+        points = self._points(metrics)
+        # In depth order, a point below only on the cumulative ratio whose own step is fine is a
+        # consequence of a collapse upstream, already reported there: count it once.
+        order = [p for p in self.sublayers if p in points] + [
+            p for p in points if p not in self.sublayers
+        ]
+        upstream_collapse = False
+        alerts: list[Alert] = []
+        self.undecided = {}
+        previous, self.previous_step = self.previous_step, {}
+        for point in order:
+            values = points[point]
+            below, metric, value = self.decide(values)
+            sudden = False
+            step_value = values.get("sigma_min_step", math.nan)
+            if math.isfinite(step_value):
+                self.previous_step[point] = step_value
+            if not below and self._sudden_drop(values, previous.get(point, math.nan)):
+                below, metric, value, sudden = True, "sigma_min_step", step_value, True
+            elif not below and self.below.get(point, 0) and self._under_drop_floor(values):
+                # below at the last read and still under the drop floor: the same collapse
+                # persists (no second alert when its interval top wavers around the floor)
+                below, metric, value = True, "sigma_min_step", step_value
+            if below is None and value < self.threshold:
+                self.undecided[point] = str(metric)
+            margin = values.get("no_cancellation_margin", math.nan)
+            if below and metric == "sigma_min_step" and math.isfinite(margin):
+                # The premise, measured on the same rows: step^2 >= 1 + margin exactly. A step
+                # under that floor contradicts its own rows (a numerical fault): no collapse.
+                if value < math.sqrt(max(1.0 + margin, 0.0)) * (1 - 1e-9):
+                    below = None
+                    self.undecided[point] = "contradicts_margin"
+            if below and metric == "sigma_min_ratio" and upstream_collapse:
+                if not self.step_below(values):
+                    below = False  # only downstream of a collapse already counted
+            upstream_collapse = upstream_collapse or bool(below)
+            self.below[point] = self.below.get(point, 0) + 1 if below else 0
+            # Fire once when patience is reached, not on every read after; a collapse that
+            # began during the warm-up and still holds fires at the first read after it.
+            first_after_warmup = self.reads == self.warmup_reads + 1
+            if self.reads <= self.warmup_reads or not (
+                self.below[point] == self.patience
+                or (first_after_warmup and self.below[point] > self.patience)
+            ):
+                continue
+            sub = self.sublayers.get(point)
+            ratio = values.get("sigma_min_ratio", math.nan)
+            step_ratio = values.get("sigma_min_step", math.nan)
+            hi = values.get(f"{metric}_hi", math.nan)
+            per_dim = values.get("rows_per_dim", math.nan)
+            rows = (
+                f", at most {hi:.3g} from {per_dim:.3g} rows per dimension"
+                if math.isfinite(hi) and math.isfinite(per_dim)
+                else ""
+            )
+            if math.isfinite(margin) and margin < 0:
+                rows += f"; the no-cancellation premise fails there (margin {margin:.3g})"
+            if sudden:
+                rows += f"; a sudden drop from {previous[point]:.3g} at the previous read"
+            alerts.append(
+                Alert(
+                    self.name,
+                    f"dd/{point}/{metric}",
+                    step,
+                    value,
+                    self.threshold,
+                    f"residual stream sigma_min collapsed at {point}, after the "
+                    f"{sub or 'block'} sublayer, at step {step}: step ratio {step_ratio:.3g}, "
+                    f"cumulative ratio {ratio:.3g}{rows} (threshold {self.threshold:.3g}, "
+                    f"{self.patience} read(s))",
+                    point=point,
+                    sublayer=sub,
+                )
+            )
+        return alerts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "reads": self.reads,
+            "below": dict(self.below),
+            "previous_step": dict(self.previous_step),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reads = int(state.get("reads", 0))
+        self.below = {str(k): int(v) for k, v in state.get("below", {}).items()}
+        self.previous_step = {str(k): float(v) for k, v in state.get("previous_step", {}).items()}
+
+
+# ============================================================================
+# Per-source ``sigma_min`` reads and the classification of a collapse.
+#
+# With ``sources=`` the tracker keeps, besides the pooled profile (unchanged), one depth profile
+# per source (:mod:`normscope.taps.sources`), logged as ``dd.<source>/<point>/<metric>``
+# (``sigma_min``, ``sigma_min_ratio``, ``sigma_min_step``, ``depth``, ``n_rows``) and
+# ``dd.<source>/sigma_min_ratio_min``, ``dd.<source>/n_rows`` (rows at ``p_0``). W&B and
+# TensorBoard group keys by what comes before the first ``/``: each source gets its own section.
+#
+# A point is a *collapse onset* in one read (pooled or one source) when it is below the floor
+# (:func:`below_floor`) and is not merely downstream of a collapse already counted in that read
+# (its cumulative ratio below, its own step not: the rule of
+# :class:`~normscope.alerts.SigmaMinRatioRule`). Every point that is an onset in some read is
+# classified over the sources *that decide there* (rows enough, finite reads):
+#
+# * ``intrinsic`` (code 1): two or more sources decide and every one is below the floor;
+# * ``distribution-dependent`` (code 2): some deciding source is below, another is not;
+# * ``undetermined`` (code 3): below somewhere, but fewer than two sources decide, or the
+#   pooled read alone is below.
+#
+# Logged: ``dd/<point>/collapse_class`` (the code) at every classified point, and run-level
+# ``dd/collapse_class`` (the shallowest classified point's code; 0 when nothing is below),
+# ``dd/collapse_depth`` (its depth ``k``; NaN when none), ``dd/sources_read`` (sources with a
+# finite ``sigma_min`` at ``p_0``), ``dd/sources_collapsed`` (sources with an onset somewhere).
+# The classification is computed from the flat metrics alone (:func:`classify_collapses`), so an
+# alert rule and a saved run reach the same verdict as the tracker.
+# ============================================================================
+
+
+FAMILY = "dd"
+CLASS_CODE = {"intrinsic": 1.0, "distribution-dependent": 2.0, "undetermined": 3.0}
+CLASS_NAME = {v: k for k, v in CLASS_CODE.items()}
+_WATCHED = ("sigma_min_ratio", "sigma_min_step")
+_KEPT = {*_WATCHED, "depth", "n_rows", "rows_per_dim"}
+_KEPT |= {f"{m}_{end}" for m in _WATCHED for end in ("lo", "hi")}
+
+
+def below_floor(values: Mapping[str, float], rule: Any = None) -> bool | None:
+    """Is this read of one point below the floor, with rows enough to decide?
+
+    ``values``: the point's metrics (``sigma_min_ratio``, ``sigma_min_step``, optionally
+    ``n_rows``, ``rows_per_dim`` and the ``_lo``/``_hi`` intervals). ``rule``: a
+    :class:`~normscope.alerts.SigmaMinRatioRule` (default ``SigmaMinRatioRule()``), whose
+    :meth:`~normscope.alerts.SigmaMinRatioRule.decide` answers: True when a watched ratio's
+    interval lies under the threshold, False when every one is at or above it with rows
+    enough for an interval, None when the rows cannot decide (no row, too few rows for an
+    interval, a ratio under the threshold whose interval reaches above it, no finite ratio). The pooled rule and the classification decide alike.
+    """
+    rule = rule if rule is not None else SigmaMinRatioRule()
+    rows = values.get("n_rows", math.inf)
+    if not (rows > 0):  # NaN or no row
+        return None
+    return rule.decide(values)[0]
+
+
+@dataclass(frozen=True)
+class Collapse:
+    """One classified point: its class, where, and how each source read there."""
+
+    point: str
+    depth: int
+    kind: str  # "intrinsic" | "distribution-dependent" | "undetermined"
+    below: tuple[str, ...]  # deciding sources below the floor
+    above: tuple[str, ...]  # deciding sources not below
+    undecided: tuple[str, ...]  # sources without rows enough (or a finite read) there
+    pooled_below: bool | None
+    values: dict[str, float] = field(default_factory=dict)  # smallest watched ratio by source
+
+    @property
+    def code(self) -> float:
+        return CLASS_CODE[self.kind]
+
+
+def _reads(metrics: Mapping[str, float]) -> dict[str | None, dict[str, dict[str, float]]]:
+    """``{None: pooled, source: ...}``, each ``{point: {metric: value}}``, profile points only."""
+    out: dict[str | None, dict[str, dict[str, float]]] = {}
+    for key, value in metrics.items():
+        head, sep, rest = key.partition("/")
+        if not sep or "/" not in rest:
+            continue
+        point, metric = rest.rsplit("/", 1)
+        if metric not in _KEPT:
+            continue
+        if head == FAMILY:
+            source = None
+        elif head.startswith(FAMILY + "."):
+            source = head[len(FAMILY) + 1 :]
+        else:
+            continue
+        out.setdefault(source, {}).setdefault(point, {})[metric] = float(value)
+    # norm layers have no sigma_min_step: keep the profile's points
+    for source, read in out.items():
+        head = FAMILY if source is None else f"{FAMILY}.{source}"
+        per_dim = metrics.get(f"{head}/rows_per_dim")
+        if per_dim is not None:  # one N/d per read (the points fold the same rows)
+            for values in read.values():
+                values.setdefault("rows_per_dim", float(per_dim))
+        for point in [p for p, m in read.items() if "sigma_min_step" not in m]:
+            del read[point]
+    return out
+
+
+def _onsets(read: dict[str, dict[str, float]], order: list[str], rule: Any) -> set[str]:
+    onsets: set[str] = set()
+    upstream = False
+    rule = rule if rule is not None else SigmaMinRatioRule()
+    for point in order:
+        values = read.get(point)
+        if values is None:
+            continue
+        below = below_floor(values, rule)
+        if not below:
+            continue
+        # as SigmaMinRatioRule: below on the cumulative ratio only, its own step fine, after a
+        # collapse upstream in this read: a consequence, counted there
+        if not upstream or rule.step_below(values):
+            onsets.add(point)
+        upstream = True
+    return onsets
+
+
+def classify_collapses(metrics: Mapping[str, float], rule: Any = None) -> list[Collapse]:
+    """Every classified point, shallowest first, from a flat metric dict (module docstring).
+    Empty without per-source keys."""
+    reads = _reads(metrics)
+    sources = sorted(s for s in reads if s is not None)
+    if not sources:
+        return []
+    depth: dict[str, float] = {}
+    for read in reads.values():
+        for point, m in read.items():
+            if math.isfinite(m.get("depth", math.nan)):
+                depth.setdefault(point, m["depth"])
+    order = sorted(depth, key=lambda p: depth[p])
+    onsets: set[str] = set()
+    for read in reads.values():
+        onsets |= _onsets(read, order, rule)
+    out: list[Collapse] = []
+    for point in order:
+        if point not in onsets:
+            continue
+        below, above, undecided, values = [], [], [], {}
+        for s in sources:
+            m = reads[s].get(point, {})
+            verdict = below_floor(m, rule) if m else None
+            if verdict is None:
+                undecided.append(s)
+                continue
+            values[s] = min(v for k in _WATCHED if math.isfinite(v := m.get(k, math.nan)))
+            (below if verdict else above).append(s)
+        pooled = reads.get(None, {}).get(point)
+        pooled_below = below_floor(pooled, rule) if pooled else None
+        if below and above:
+            kind = "distribution-dependent"
+        elif len(below) >= 2 and not above:
+            kind = "intrinsic"
+        else:
+            kind = "undetermined"
+        out.append(
+            Collapse(
+                point,
+                int(depth[point]),
+                kind,
+                tuple(below),
+                tuple(above),
+                tuple(undecided),
+                pooled_below,
+                values,
+            )
+        )
+    return out
+
+
+def collapse_keys(metrics: Mapping[str, float], rule: Any = None) -> dict[str, float]:
+    """The classification keys of a metric dict that holds per-source keys (else ``{}``)."""
+    reads = _reads(metrics)
+    sources = [s for s in reads if s is not None]
+    if not sources:
+        return {}
+    collapses = classify_collapses(metrics, rule)
+    out = {f"{FAMILY}/{c.point}/collapse_class": c.code for c in collapses}
+    first = collapses[0] if collapses else None
+    out[f"{FAMILY}/collapse_class"] = first.code if first else 0.0
+    out[f"{FAMILY}/collapse_depth"] = float(first.depth) if first else math.nan
+    read = 0
+    for s in sources:
+        p0 = [m for m in reads[s].values() if m.get("depth") == 0.0]
+        if p0 and math.isfinite(metrics.get(f"{FAMILY}.{s}/n_rows", math.nan)):
+            if math.isfinite(p0[0].get("sigma_min_ratio", math.nan)):
+                read += 1
+    out[f"{FAMILY}/sources_read"] = float(read)
+    order = sorted({p for r in reads.values() for p in r}, key=lambda p: _depth_of(reads, p))
+    out[f"{FAMILY}/sources_collapsed"] = float(
+        sum(1 for s in sources if _onsets(reads[s], order, rule))
+    )
+    return out
+
+
+def _depth_of(reads: Mapping[Any, Mapping[str, Mapping[str, float]]], point: str) -> float:
+    for read in reads.values():
+        d = read.get(point, {}).get("depth", math.nan)
+        if math.isfinite(d):
+            return d
+    return math.inf
+
+
+def source_reads(profiles: Mapping[str, Any], key_path: Any = str) -> dict[str, float]:
+    """Flat ``dd.<source>/...`` keys of per-source :class:`~normscope.SigmaMinProfile` s."""
+    out: dict[str, float] = {}
+    for source, profile in profiles.items():
+        head = f"{FAMILY}.{source}"
+        for p in profile.points:
+            name = key_path(p.name)
+            out[f"{head}/{name}/sigma_min"] = p.sigma_min
+            out[f"{head}/{name}/sigma_min_ratio"] = p.sigma_min_ratio
+            out[f"{head}/{name}/sigma_min_step"] = p.sigma_min_step
+            out[f"{head}/{name}/depth"] = float(p.depth)
+            out[f"{head}/{name}/n_rows"] = float(p.n_rows)
+        out[f"{head}/sigma_min_ratio_min"] = profile.sigma_min_ratio_min
+        out[f"{head}/rows_per_dim"] = profile.points[0].rows_per_dim if profile.points else math.nan
+        out[f"{head}/n_rows"] = float(profile.points[0].n_rows) if profile.points else 0.0
+    return out
+
+
+def describe(collapse: Collapse, sublayer: str | None = None) -> str:
+    """One line naming the collapse: where, which class, which sources."""
+    after = f" after {sublayer}" if sublayer else ""
+    quoted = ", ".join(repr(s) for s in collapse.below)
+    vals = ", ".join(f"{s} {collapse.values[s]:.3g}" for s in (*collapse.below, *collapse.above))
+    if collapse.kind == "distribution-dependent":
+        only = "source" if len(collapse.below) == 1 else "sources"
+        healthy = ", ".join(repr(s) for s in collapse.above)
+        pooled = {True: "below", False: "not below", None: "unread"}[collapse.pooled_below]
+        return (
+            f"collapse at {collapse.point}{after} under {only} {quoted} only "
+            f"(distribution-dependent: healthy in {healthy}; pooled read {pooled}; "
+            f"smallest ratio by source: {vals})"
+        )
+    if collapse.kind == "intrinsic":
+        return (
+            f"collapse at {collapse.point}{after} in every source ({quoted}): intrinsic "
+            f"(smallest ratio by source: {vals})"
+        )
+    why = (
+        f"sources without rows enough there: {', '.join(collapse.undecided)}"
+        if collapse.undecided
+        else "no source below alone"
+    )
+    return f"collapse at {collapse.point}{after}: undetermined ({why})"
+
+
+class SourceCollapseRule:
+    """A collapse classified over the sources (``sources=``; :mod:`normscope.alerts.rules`):
+    fires once per point and class when a point is classified ``intrinsic`` or
+    ``distribution-dependent`` (``undetermined`` too with ``undetermined=True``), naming the
+    sources below, e.g. ``collapse at h.3 after mlp under source 'code' only``. Fires again
+    only after that point has left the class for a read.
+
+    Args:
+        sigma_rule: the :class:`SigmaMinRatioRule` whose ``threshold`` is the floor (default
+            ``SigmaMinRatioRule()``); the monitor passes its own.
+        undetermined: also alert on points below somewhere that no two sources decide.
+    """
+
+    name = "source_collapse"
+
+    def __init__(self, sigma_rule: SigmaMinRatioRule | None = None, undetermined: bool = False):
+        self.sigma_rule = sigma_rule if sigma_rule is not None else SigmaMinRatioRule()
+        self.undetermined = undetermined
+        self.sublayers: dict[str, str | None] = {}  # by point; the monitor fills it
+        self.firing: set[str] = set()  # "point|kind"
+
+    @property
+    def threshold(self) -> float:
+        return self.sigma_rule.threshold
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
+        collapses = classify_collapses(metrics, self.sigma_rule)
+        now = {f"{c.point}|{c.kind}" for c in collapses}
+        self.firing &= now
+        alerts = []
+        for c in collapses:
+            tag = f"{c.point}|{c.kind}"
+            if tag in self.firing or (c.kind == "undetermined" and not self.undetermined):
+                continue
+            self.firing.add(tag)
+            sub = self.sublayers.get(c.point)
+            value = min(c.values[s] for s in c.below) if c.below else math.nan
+            alerts.append(
+                Alert(
+                    self.name,
+                    f"dd/{c.point}/collapse_class",
+                    step,
+                    float(value),
+                    self.threshold,
+                    f"residual stream sigma_min: {describe(c, sub)} at step {step} "
+                    f"(threshold {self.threshold:.3g})",
+                    point=c.point,
+                    sublayer=sub,
+                )
+            )
+        return alerts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"firing": sorted(self.firing)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.firing = set(state.get("firing", []))
+
+
+# ============================================================================
+# The dead-direction monitor's default alert rules, built in one place.
+# ============================================================================
+
+
+def default_dead_direction_rules(
+    kinds: Mapping[str, str],
+    sublayers: Mapping[str, str | None] | None,
+    *,
+    sources: bool = False,
+    sigma_rule: SigmaMinRatioRule | None = None,
+    kernel_rule: KernelLossRule | None = None,
+    kernel: bool = True,
+) -> list[Any]:
+    """The default rules of :class:`~normscope.callbacks.DeadDirectionMonitor`, in the order
+    they are evaluated: a :class:`SigmaMinRatioRule` (``SigmaMinRatioRule()`` unless
+    ``sigma_rule``), a :class:`KernelLossRule` (``KernelLossRule()`` unless ``kernel_rule``;
+    none with ``kernel=False``), then with ``sources`` a :class:`SourceCollapseRule` on the
+    sigma rule. The monitor, ``normscope scan`` and ``normscope report`` all build theirs here.
+
+    ``kinds`` maps norm paths to their declared kind (the kernel rule's ``kinds``);
+    ``sublayers`` maps the residual points, in depth order, to their sublayer (the sigma and
+    source rules' ``sublayers``). ``sublayers=None`` means no residual rules: a post-norm model,
+    or no profile, whose ``sigma_min`` the theory does not cover.
+
+    Example::
+
+        >>> rules = default_dead_direction_rules({"ln_f": "layernorm"}, {"h.0": "attn"})
+        >>> [r.name for r in rules]
+        ['sigma_min_collapse', 'layernorm_kernel_lost']
+        >>> [r.name for r in default_dead_direction_rules({}, {}, sources=True, kernel=False)]
+        ['sigma_min_collapse', 'source_collapse']
+        >>> [r.name for r in default_dead_direction_rules({}, None, sources=True)]
+        ['layernorm_kernel_lost']
+    """
+    rules: list[Any] = []
+    sigma = sigma_rule if sigma_rule is not None else SigmaMinRatioRule()
+    if sublayers is not None:
+        sigma.sublayers = dict(sublayers)
+        rules.append(sigma)
+    if kernel:
+        by_kind = kernel_rule if kernel_rule is not None else KernelLossRule()
+        by_kind.kinds = dict(kinds)
+        rules.append(by_kind)
+    if sublayers is not None and sources:
+        by_source = SourceCollapseRule(sigma)
+        by_source.sublayers = sigma.sublayers
+        rules.append(by_source)
+    return rules

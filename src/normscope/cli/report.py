@@ -29,7 +29,7 @@ from normscope.alerts import SourceCollapseRule, default_dead_direction_rules
 from normscope.cli import render, run_plots
 from normscope.cli.errors import CLIError
 from normscope.cli.figures import KERNEL_ALERT, KERNEL_ALERT_LABEL
-from normscope.families.names import canonical_metrics, family_names
+from normscope.engine.monitor import canonical_metrics, family_names
 
 __all__ = ["depth_order", "merge_reads", "reevaluate_alerts", "run"]
 
@@ -169,7 +169,7 @@ def source_rows(
 ) -> tuple[list[str], list[list[str]]]:
     """Per read: each source's ``sigma_min_ratio_min`` and rows, and the shallowest collapse's
     class and point (classified from the logged keys, as the monitor does)."""
-    from normscope.alerts.sources import classify_collapses
+    from normscope.alerts.rules import classify_collapses
 
     head = ["step"] + [f"{s} ratio_min (rows)" for s in sources] + ["collapse", "at"]
     rows = []

@@ -3,7 +3,6 @@ windows, the worker, the cost guard, the agreement of ranks, publishing, fail-op
 state), driving a family through :class:`Family`. Adapters (:mod:`normscope.adapters`) and plain
 loops call it."""
 
-from normscope.engine.monitor import Family, Monitor, StepResult, world_size
-from normscope.engine.publish import Target
+from normscope.engine.monitor import Family, Monitor, StepResult, Target, world_size
 
 __all__ = ["Family", "Monitor", "StepResult", "Target", "world_size"]

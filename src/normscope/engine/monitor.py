@@ -12,7 +12,7 @@ A monitor drives one *family* (:class:`~normscope.families.DeadDirectionFamily`,
   gather (every rank gets the same report);
 * the **agreement** of ranks (torch.distributed's default group): one handshake per window end
   (global rows, "a rank failed"), one stop decision per read, so no collective ever hangs;
-* **publishing**: every :class:`~normscope.engine.publish.Target` (loggers, callables), the
+* **publishing**: every :class:`~normscope.engine.monitor.Target` (loggers, callables), the
   alert rules, the sinks, the read line, W&B summaries and charts;
 * the **cost guard**, **fail-open** (a failure warns once, disables the monitor, and training
   goes on) and the **checkpoint state**.
@@ -35,32 +35,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
+import re
+import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from normscope._common import ConfigurationError, disabled_message, is_rank_zero, say
+from normscope._common import ConfigurationError, disabled_message, logger, setup_logger
 from normscope.alerts import Alert, build_sinks
-from normscope.engine.publish import (
-    Target,
-    as_targets,
-    check_log_per_layer,
-    define_summaries,
-    note_worst,
-    select_layers,
-)
 from normscope.engine.worker import ReadWorker
-from normscope.families.dead_direction_family import DeadDirectionFamily
-from normscope.families.names import check_name, named_key, named_metrics
+from normscope.families.dead_direction import DeadDirectionFamily
 from normscope.families.sign_magnitude_family import SignMagnitudeFamily
 
-__all__ = ["Family", "Monitor", "StepResult"]
+__all__ = ["Family", "Monitor", "SUMMARIES", "StepResult", "Target", "canonical_metrics", "check_log_per_layer", "check_name", "family_names", "named_key", "named_metrics", "parse_family", "select_layers"]
 
 
 class Family(Protocol):
@@ -137,6 +131,11 @@ def _any(decision: bool, device: torch.device) -> bool:
     return bool(votes.item() > 0)
 
 
+def _rank_zero() -> bool:
+    dist = _dist()
+    return dist is None or dist.get_rank() == 0
+
+
 def _share() -> tuple[int, int]:
     dist = _dist()
     return (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)
@@ -193,7 +192,7 @@ class Monitor:
         async_reads: solve on a worker thread (families that support it); ``None``: what the
             adapter says (on under a Lightning ``Trainer`` on CUDA, off elsewhere).
         log: where reads go: a logger object, a callable (``wandb.log``), a
-            :class:`~normscope.engine.publish.Target`, or a list of them.
+            :class:`~normscope.engine.monitor.Target`, or a list of them.
         model: watch this model at once (:meth:`watch`).
 
     Raises:
@@ -249,6 +248,8 @@ class Monitor:
             raise ConfigurationError(
                 f"{owner}: overhead_warn must be None or a fraction > 0, got {overhead_warn!r}"
             )
+        if verbose:
+            setup_logger()  # the read lines print unless the application set up logging
         self.family = family
         family.rules.extend(rules)
         self.rules = family.rules  # one list: the family drops rules that do not apply
@@ -473,10 +474,10 @@ class Monitor:
         self._result = StepResult(should_stop=self.should_stop)
         self._publish_due(wait=True)
         self._stop_worker()
-        if self.verbose and self.last_report is not None and is_rank_zero():
+        if self.verbose and self.last_report is not None and _rank_zero():
             text = self.family.summary(self.last_report, self.reads, self.alerts_fired)
             if text:
-                say(self._named(text))
+                logger.info(self._named(text))
         return self._result
 
     def detach(self) -> None:
@@ -587,12 +588,12 @@ class Monitor:
         head = named_key(f"{family.prefix}/", self.name)
         self.history.append((step, {k: v for k, v in metrics.items() if k.count("/") == 1}))
         fired = self._publish(metrics, step)
-        if is_rank_zero():
+        if _rank_zero():
             # each fails on its own (one warning): a failure must not skip the stop decision
             self._local(lambda: self._wandb_extras(report, step, head[:-1]), "W&B charts")
             if self.verbose:
                 line = family.read_line(report, fired)
-                self._local(lambda: say(self._named(line)), "read line")
+                self._local(lambda: logger.info(self._named(line)), "read line")
         if self.stop_on_alert:
             self._stop_decided_step = self._step_at_begin
             self._vote_owed = False
@@ -648,7 +649,7 @@ class Monitor:
         self.alerts_fired.extend(fired)
         for items in (self.alerts_fired, self.history):
             del items[: max(0, len(items) - self.keep_last)]
-        if is_rank_zero() and fired:
+        if _rank_zero() and fired:
             runs = self._wandb_runs()
             for alert in fired:
                 for sink in list(self.sinks):
@@ -730,7 +731,7 @@ class Monitor:
         if key in self._warned:
             return
         self._warned.add(key)
-        if is_rank_zero():
+        if _rank_zero():
             warnings.warn(message, UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ cost guard
@@ -788,7 +789,7 @@ class Monitor:
             self._disable(
                 "the monitor on another rank failed (its warning says why); every rank stops "
                 "reading at the same step so that their collectives stay in step",
-                warn=is_rank_zero(),
+                warn=_rank_zero(),
             )
         return total, peer_failed
 
@@ -903,3 +904,306 @@ class Monitor:
                 f"normscope: {self.label}.load_state_dict failed; the monitor starts with a "
                 f"fresh state (baselines from the next read) ({type(err).__name__}: {err})",
             )
+
+
+# ============================================================================
+# Where a read goes: the loggers (:class:`Target`), which per-layer keys they get
+# (``log_per_layer``), and what a W&B run gets beyond scalars.
+#
+# **log_per_layer**.
+# A 32-layer model logs about 1,200 ``dd/<layer>/<metric>`` keys a read. ``log_per_layer`` keeps
+# every run-level key (``dd/<metric>``, ``sm/<metric>``) and, of the per-layer keys, all of them
+# (``"all"``, the default), none (``"none"``), or those of the ``k`` worst layers (an int): for
+# each ranking below, the ``k`` layers that rank worst, their union kept whole (every metric of a
+# kept layer). The alert rules and ``trainer.callback_metrics`` always see every key: a layer
+# left out of the log still alerts.
+#
+# Rankings (worst first; NaN never ranks):
+#
+# * ``dd``: smallest ``sigma_min_step`` (the sublayer that shrank the stream most), largest
+#   ``kernel_residual`` (a LayerNorm's kernel lost), largest ``deepening``;
+# * ``sm``: largest ``max_leverage``, largest ``sign_churn``, largest ``asymmetry_ratio``.
+# ============================================================================
+
+
+LogPerLayer = str | int
+
+# family -> [(metric, worst is larger)]
+RANKINGS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "dd": (("sigma_min_step", False), ("kernel_residual", True), ("deepening", True)),
+    "sm": (("max_leverage", True), ("sign_churn", True), ("asymmetry_ratio", True)),
+}
+
+
+def check_log_per_layer(value: object, owner: str) -> LogPerLayer:
+    """``value`` if it is ``"all"``, ``"none"`` or an int >= 0, else ``ValueError`` naming
+    ``owner``."""
+    if value in ("all", "none"):
+        return value  # type: ignore[return-value]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(
+        f"{owner}: log_per_layer must be 'all', 'none' or an int >= 0 (the worst layers kept), "
+        f"got {value!r}"
+    )
+
+
+def select_layers(metrics: Mapping[str, float], keep: LogPerLayer) -> dict[str, float]:
+    """The keys of ``metrics`` to log under ``log_per_layer=keep``.
+
+    Example::
+
+        >>> m = {"dd/sigma_min_ratio_min": 0.5, "dd/a/sigma_min_step": 0.9,
+        ...      "dd/b/sigma_min_step": 0.4, "dd/b/depth": 1.0}
+        >>> sorted(select_layers(m, 1))
+        ['dd/b/depth', 'dd/b/sigma_min_step', 'dd/sigma_min_ratio_min']
+        >>> sorted(select_layers(m, "none"))
+        ['dd/sigma_min_ratio_min']
+    """
+    if keep == "all":
+        return dict(metrics)
+    by_layer: dict[tuple[str, str], dict[str, float]] = {}
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if len(parts) < 3:
+            out[key] = value  # run-level (and anything not <family>/<layer>/<metric>)
+            continue
+        family, layer = parts[0], "/".join(parts[1:-1])
+        by_layer.setdefault((family, layer), {})[parts[-1]] = value
+    if keep == "none" or keep == 0:
+        return out
+    kept: set[tuple[str, str]] = set()
+    for family in {f for f, _ in by_layer}:
+        layers = {name: m for (f, name), m in by_layer.items() if f == family}
+        # a per-source family (dd.<source>) ranks as its own family (dd)
+        for metric, larger_is_worse in RANKINGS.get(family.split(".", 1)[0], ()):
+            ranked = [
+                (v, name)
+                for name, m in layers.items()
+                if (v := m.get(metric)) is not None and math.isfinite(v)
+            ]
+            ranked.sort(key=lambda t: -t[0] if larger_is_worse else t[0])
+            kept.update((family, name) for _, name in ranked[: int(keep)])
+    for family, layer in kept:
+        for metric, value in by_layer[(family, layer)].items():
+            out[f"{family}/{layer}/{metric}"] = value
+    return out
+
+
+# ------------------------------------------------------------------------------ targets
+class Target:
+    """One place reads are logged to: a logger object (anything with ``log_metrics(metrics,
+    step)``: Lightning's and Fabric's loggers) or a callable (``wandb.log``, ``print``...:
+    called ``fn(metrics, step=step)`` when it takes a ``step``, else ``fn(metrics)``).
+
+    ``wandb_run`` (a zero-argument callable returning a W&B run, or None) gives the run the
+    W&B extras go to; ``step_key`` the run's step metric (Lightning's ``trainer/global_step``).
+    Without them a ``wandb.log`` / ``run.log`` callable is recognised by itself.
+
+    Example::
+
+        >>> seen = []
+        >>> Target(lambda m, step: seen.append((step, m))).log({"dd/x": 1.0}, 3)
+        >>> seen
+        [(3, {'dd/x': 1.0})]
+    """
+
+    def __init__(
+        self,
+        sink: Any,
+        *,
+        wandb_run: Callable[[], Any] | None = None,
+        step_key: str | None = None,
+    ) -> None:
+        self.sink = sink
+        if hasattr(sink, "log_metrics"):
+            self._log: Callable[[dict[str, float], int], None] = sink.log_metrics
+        elif callable(sink):
+            try:
+                params = inspect.signature(sink).parameters
+            except (TypeError, ValueError):  # builtins without a signature
+                params = {}
+            takes_step = "step" in params or any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+            )
+            self._log = (
+                (lambda m, step: sink(dict(m), step=step))
+                if takes_step
+                else (lambda m, step: sink(dict(m)))
+            )
+        else:
+            raise TypeError(f"normscope: log must be a callable or a logger, got {sink!r}")
+        self.step_key = step_key
+        self._wandb_run = wandb_run if wandb_run is not None else _wandb_callable_run(sink)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._log(metrics, step)
+
+    def wandb_run(self) -> Any:
+        """The W&B run this target writes to, or None."""
+        return self._wandb_run() if self._wandb_run is not None else None
+
+
+def _wandb_callable_run(fn: Any) -> Callable[[], Any] | None:
+    """A plain-loop ``log=wandb.log`` or ``log=run.log``: its run (W&B's own step)."""
+    if not (getattr(fn, "__module__", "") or "").startswith("wandb"):
+        return None
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and hasattr(owner, "define_metric"):
+        return lambda: owner
+    return lambda: getattr(sys.modules.get("wandb"), "run", None)
+
+
+def as_targets(log: Any) -> list[Target]:
+    """``log=`` of a monitor: None, a target, a logger or a callable, or a list of them."""
+    if log is None:
+        return []
+    items = list(log) if isinstance(log, (list, tuple)) else [log]
+    return [x if isinstance(x, Target) else Target(x) for x in items]
+
+
+# ------------------------------------------------------------------------------ W&B
+#: run-level key -> W&B summary ("min" / "max" over the run): the run table and the sweep view
+#: show the worst read of the run, not the last one
+SUMMARIES: dict[str, str] = {
+    "dd/sigma_min_ratio_min": "min",
+    "dd/sigma_min_step_min": "min",
+    "dd/gamma_alignment_min": "min",
+    "dd/rows_rejected": "max",
+    "dd/reads_disabled": "max",
+    "sm/max_leverage_max": "max",
+    "sm/sign_churn_mean": "max",
+    "sm/reads_disabled": "max",
+}
+
+# (run id, family head) pairs whose summaries are defined: per family, so that a second monitor
+# in the same run (an sm next to a dd, a dd[fast] next to a dd) gets its own
+_DEFINED: set[tuple[str, str]] = set()
+# (run id, family head) -> that family's smallest worst-point value so far
+_RUN_MIN: dict[tuple[str, str], float] = {}
+
+
+def _run_key(run: Any) -> str:
+    return str(getattr(run, "id", None) or id(run))
+
+
+def define_summaries(run: Any, step_key: str | None, metrics: Mapping[str, float]) -> None:
+    """``define_metric`` for the run-level keys of :data:`SUMMARIES`, once per W&B run and
+    family (``dd``, ``sm``, a named monitor's ``dd[fast]``)."""
+    key = _run_key(run)
+    for head in sorted({k.split("/", 1)[0] for k in metrics}):
+        family, name, source = parse_family(head)
+        if family is None or source is not None or (key, head) in _DEFINED:
+            continue
+        for metric, summary in SUMMARIES.items():
+            if metric.split("/", 1)[0] != family:
+                continue
+            metric = named_key(metric, name)
+            if step_key is None:
+                run.define_metric(metric, summary=summary)
+            else:
+                run.define_metric(metric, step_metric=step_key, summary=summary)
+        _DEFINED.add((key, head))
+
+
+def note_worst(run: Any, head: str, worst: tuple[float, str] | None, step: int) -> None:
+    """``<head>/worst_point`` and ``<head>/worst_point_step`` in the run's summary when this
+    read's ``worst = (value, point)`` is the run's smallest so far."""
+    if worst is None:
+        return
+    key = (_run_key(run), head)
+    if worst[0] < _RUN_MIN.get(key, float("inf")):
+        _RUN_MIN[key] = worst[0]
+        run.summary[f"{head}/worst_point"] = worst[1]
+        run.summary[f"{head}/worst_point_step"] = step
+
+
+# ============================================================================
+# Several monitors in one fit: a monitor's ``name`` and the key family it logs under.
+#
+# An unnamed monitor logs ``dd/<...>`` (``sm/<...>``; per source ``dd.<source>/<...>``). A named
+# one logs the same keys with the name in the family: ``dd[fast]/<...>``, ``dd[fast].<source>/<...>``,
+# ``sm[probe]/<...>``. W&B and TensorBoard group keys by the text before the first ``/``, so each
+# monitor gets its own section. The alert rules always see the canonical ``dd/`` keys
+# (:func:`named_metrics` renames only what is logged); :func:`canonical_metrics` undoes it for a
+# reader of a saved run.
+#
+# Example::
+#
+#     >>> named_metrics({"dd/sigma_min_ratio_min": 1.0, "dd.code/n_rows": 8.0}, "fast")
+#     {'dd[fast]/sigma_min_ratio_min': 1.0, 'dd[fast].code/n_rows': 8.0}
+#     >>> canonical_metrics({"dd[fast]/a": 1.0, "dd/a": 2.0}, "fast")
+#     {'dd/a': 1.0}
+#     >>> parse_family("dd[fast].code")
+#     ('dd', 'fast', 'code')
+# ============================================================================
+
+
+FAMILIES = ("dd", "sm")
+_HEAD = re.compile(r"^(dd|sm)(?:\[([^\[\]/\s]+)\])?(?:\.(.+))?$", re.DOTALL)
+
+
+def check_name(name: object, owner: str) -> str | None:
+    """``name`` if it is None or a valid monitor name (a non-empty string without ``/``,
+    brackets or whitespace), else ``ValueError`` naming ``owner``."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name or re.search(r"[/\[\]\s]", name):
+        raise ValueError(
+            f"{owner}: name must be None or a non-empty string without '/', '[', ']' or "
+            f"whitespace (it goes into every logged key: dd[name]/...), got {name!r}"
+        )
+    return name
+
+
+def parse_family(head: str) -> tuple[str | None, str | None, str | None]:
+    """The text before a key's first ``/`` as ``(family, name, source)``: ``"dd"`` ->
+    ``("dd", None, None)``, ``"dd[fast].code"`` -> ``("dd", "fast", "code")``; not a normscope
+    family: ``(None, None, None)``."""
+    m = _HEAD.match(head)
+    if m is None:
+        return None, None, None
+    return m.group(1), m.group(2), m.group(3)
+
+
+def named_key(key: str, name: str | None) -> str:
+    """``key`` (a canonical ``dd/...``, ``dd.<source>/...`` or ``sm/...`` key) as monitor
+    ``name`` logs it; unchanged for ``name=None`` or a key of no normscope family."""
+    if name is None:
+        return key
+    head, sep, rest = key.partition("/")
+    family, old, source = parse_family(head)
+    if family is None or old is not None:
+        return key
+    return f"{family}[{name}]{'.' + source if source is not None else ''}{sep}{rest}"
+
+
+def named_metrics(metrics: Mapping[str, float], name: str | None) -> dict[str, float]:
+    """Every key of ``metrics`` renamed by :func:`named_key` (a new dict; the same for None)."""
+    if name is None:
+        return dict(metrics)
+    return {named_key(k, name): v for k, v in metrics.items()}
+
+
+def canonical_metrics(metrics: Mapping[str, float], name: str | None) -> dict[str, float]:
+    """The keys of monitor ``name`` (``None``: the unnamed monitor) in ``metrics``, renamed
+    back to their canonical ``dd/`` / ``dd.<source>/`` / ``sm/`` form; other keys dropped."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        head, sep, rest = key.partition("/")
+        family, found, source = parse_family(head)
+        if family is None or found != name or not sep:
+            continue
+        out[f"{family}{'.' + source if source is not None else ''}/{rest}"] = value
+    return out
+
+
+def family_names(keys: Iterable[str], family: str = "dd") -> list[str]:
+    """The monitor names of ``family`` found in ``keys`` (sorted; the unnamed one left out)."""
+    found = set()
+    for key in keys:
+        fam, name, _ = parse_family(key.partition("/")[0])
+        if fam == family and name is not None:
+            found.add(name)
+    return sorted(found)

@@ -9,8 +9,12 @@ The engine (:mod:`normscope.engine`) drives a family through a small protocol
 (:class:`normscope.engine.Family`); the adapters (:mod:`normscope.adapters`) drive the engine.
 """
 
-from normscope.families.dead_direction import DeadDirectionReport, DeadDirectionTracker, NormReport
-from normscope.families.dead_direction_family import DeadDirectionFamily
+from normscope.families.dead_direction import (
+    DeadDirectionFamily,
+    DeadDirectionReport,
+    DeadDirectionTracker,
+    NormReport,
+)
 from normscope.families.scan import scan_model
 from normscope.families.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
 from normscope.families.sign_magnitude_family import SignMagnitudeFamily

@@ -14,30 +14,52 @@ gets a tap of its own. Taps are shared: one accumulator per ``(module, input|out
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from normscope.families.budget import fit_budget, stream_width
-from normscope.families.dead_direction_read import (
-    finish_report,
-    gather_records,
-    read_norm,
-    read_share,
-    reduce_taps,
-    solve_window,
-    take_window,
+from normscope._common import ConfigurationError, fmt, say, warn_disabled, warn_rank_zero
+from normscope.alerts import (
+    Alert,
+    AlertRule,
+    KernelLossRule,
+    SigmaMinRatioRule,
+    SourceCollapseRule,
+    default_dead_direction_rules,
 )
-from normscope.families.dead_direction_report import DeadDirectionReport, NormReport, key_path
-from normscope.taps.hooks import Gate, Tap, TapSet
+from normscope.alerts.rules import classify_collapses, collapse_keys, source_reads
+from normscope.families.budget import fit_budget, stream_width
+from normscope.functional.cancellation import no_cancellation_margin
+from normscope.functional.dead_direction import (
+    GammaRead,
+    KernelRead,
+    SchurRead,
+    gamma_read,
+    kernel_read,
+    schur_quotient,
+)
+from normscope.functional.profile import SigmaMinProfile, profile_from_sigmas, sigma_min_profile
+from normscope.taps.hooks import (
+    Gate,
+    Tap,
+    TapSet,
+    batch_mask,
+    call_model,
+    compiled,
+    eager_forwards,
+)
 from normscope.taps.norms import NormLayer, discover_norm_layers, find_norm_layers
 from normscope.taps.residual import ResidualDiscovery, ResidualLayout, find_residual_points
 from normscope.taps.sources import SourceLabels, SourceSpec, SourceSplit, resolve_labels
 
-__all__ = ["DeadDirectionReport", "DeadDirectionTracker", "NormReport", "key_path"]
+__all__ = ["DeadDirectionFamily", "DeadDirectionReport", "DeadDirectionTracker", "NormReport", "ReadRecords", "ReadWindow", "check_layers", "finish_report", "format_read_line", "format_summary", "format_table", "gather_records", "key_path", "point_sigma", "profile_from_parts", "read_norm", "read_share", "read_sources_of", "reduce_taps", "solve_window", "take_window"]
 
 
 ForwardFn = Callable[[], Any]
@@ -71,7 +93,7 @@ class DeadDirectionTracker:
             sample) or a batch field name. Each source gets its own float64 accumulator per
             residual point (the pooled read is unchanged) and its own profile
             (``dd.<source>/<point>/<metric>``), and collapses are classified intrinsic /
-            distribution-dependent (:mod:`normscope.alerts.sources`). Label a batch with
+            distribution-dependent (:mod:`normscope.alerts.rules`). Label a batch with
             :meth:`label` (the monitors and :func:`normscope.scan_model` do).
         max_sources: sources tracked (the first seen; ``max_memory`` plans for this many:
             ``8 d^2`` per source and point, after the margin, before the norm layers, whole or
@@ -305,7 +327,7 @@ class DeadDirectionTracker:
         run every read and start a new window (``reset``; ``False`` keeps the window: the
         same accumulators can be read again, as ``benchmarks/read_cost.py`` does). Under several processes every rank solves a
         round-robin share and the records are gathered: every rank gets the same full report
-        (:mod:`normscope.families.dead_direction_read`, the one read path)."""
+        (:mod:`normscope.families.dead_direction`, the one read path)."""
         if reduce:
             reduce_taps(self)
         share = read_share() if reduce else (0, 1)
@@ -377,3 +399,1004 @@ class DeadDirectionTracker:
     def memory_bytes(self) -> int:
         split = self.split.memory_bytes() if self.split is not None else 0
         return self.taps.memory_bytes() + split
+
+
+# ============================================================================
+# The records of a dead-direction read (NormReport, DeadDirectionReport) and their metric keys.
+# ============================================================================
+
+
+FAMILY = "dd"
+NORM_CLASS_CODE = {"layernorm-like": 1.0, "rmsnorm-like": -1.0, "indeterminate": 0.0}
+_COMPILE_WRAPPER = "_orig_mod"  # torch.compile's OptimizedModule holds the model under this name
+
+
+def key_path(path: str) -> str:
+    """A module path as metric keys spell it: without the ``_orig_mod`` segments that
+    ``torch.compile(submodule)`` inserts, so a compiled run, an eager run and a scan log the
+    same keys.
+
+    Example::
+
+        >>> key_path("model._orig_mod.h.0.ln_1")
+        'model.h.0.ln_1'
+        >>> key_path("_orig_mod.ln_f/sigma_min")
+        'ln_f/sigma_min'
+    """
+    parts = path.split(".")
+    if _COMPILE_WRAPPER not in parts:
+        return path
+    return ".".join(p for p in parts if p != _COMPILE_WRAPPER)
+
+
+@dataclass(frozen=True)
+class NormReport:
+    """Every read of one norm layer (docs/metrics.md §1.1–1.3)."""
+
+    name: str
+    kind: str
+    gamma: GammaRead
+    kernel: KernelRead
+    schur: SchurRead
+    deepening: float
+    n_rows: int
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        out.update(self.gamma.as_dict())
+        out.update(self.kernel.as_dict())
+        out.update(self.schur.as_dict())
+        # norm_class as a number (loggers take numbers): +1 layernorm-like, -1 rmsnorm-like,
+        # 0 indeterminate, NaN when not read.
+        out["norm_class"] = NORM_CLASS_CODE.get(self.kernel.norm_class, math.nan)
+        out["deepening"] = self.deepening
+        out["n_rows"] = float(self.n_rows)
+        return out
+
+
+@dataclass(frozen=True)
+class DeadDirectionReport:
+    """One read of a whole model: ``norms`` by module path, the ``profile``, row counts.
+
+    ``as_dict()`` is flat and keyed as the monitor logs (docs/metrics.md §3): ``dd/<module path>/<metric>``
+    for each norm and residual point, ``dd/<metric>`` for the run-level summaries.
+    """
+
+    step: int
+    norms: dict[str, NormReport]
+    profile: SigmaMinProfile | None
+    layout: ResidualLayout | None
+    rows_rejected: int
+    failed_taps: dict[str, str] = field(default_factory=dict)
+    #: per-source depth profiles (``sources=``), by source name; empty without sources
+    sources: dict[str, SigmaMinProfile] = field(default_factory=dict)
+    #: the rule whose threshold classifies a collapse (``SigmaMinRatioRule()`` if None)
+    source_rule: Any = None
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, norm in self.norms.items():
+            for metric, value in norm.as_dict().items():
+                out[f"{FAMILY}/{key_path(name)}/{metric}"] = float(value)
+        if self.profile is not None:
+            for key, value in self.profile.as_dict().items():
+                out[f"{FAMILY}/{key_path(key)}"] = float(value)
+            steps = [p.sigma_min_step for p in self.profile.points[1:]]
+            steps = [s for s in steps if math.isfinite(s)]
+            out[f"{FAMILY}/sigma_min_step_min"] = min(steps) if steps else math.nan
+            # dd/<point>/no_cancellation_margin and dd/no_cancellation_margin_min come with
+            # the profile's keys when the margin was measured
+        out[f"{FAMILY}/rows_rejected"] = float(self.rows_rejected)
+        # the residual points this read covers: 0 says "no sigma_min profile" out loud
+        out[f"{FAMILY}/profile_points"] = (
+            float(len(self.profile.points)) if self.profile is not None else 0.0
+        )
+        # reads the fast solvers could not verify, answered by the dense eigh instead
+        out[f"{FAMILY}/solver_fallbacks"] = float(self.solver_fallbacks)
+        # layers (norms, residual points, the profile) no longer read after a failure
+        out[f"{FAMILY}/reads_disabled"] = float(
+            len({key.rsplit(":", 1)[0] for key in self.failed_taps})
+        )
+        if self.norms:
+            aligned = [
+                n.kernel.gamma_alignment for n in self.norms.values() if n.kind == "layernorm"
+            ]
+            aligned = [a for a in aligned if not math.isnan(a)]
+            if aligned:
+                out[f"{FAMILY}/gamma_alignment_min"] = min(aligned)
+        if self.sources:
+            out.update(source_reads(self.sources, key_path))
+            out.update(collapse_keys(out, self.source_rule))
+        return out
+
+    @property
+    def collapses(self) -> list:
+        """The classified collapses (:func:`normscope.alerts.rules.classify_collapses`);
+        empty without sources."""
+        if not self.sources:
+            return []
+        return classify_collapses(self.as_dict(), self.source_rule)
+
+    @property
+    def solver_fallbacks(self) -> int:
+        """Dense fallbacks in this read (:mod:`normscope.functional.solvers`): the norms'
+        kernel reads plus the points of the profile and of every source's profile."""
+        profiles = ([self.profile] if self.profile is not None else []) + list(
+            self.sources.values()
+        )
+        return sum(getattr(n.kernel, "dense_fallbacks", 0) for n in self.norms.values()) + sum(
+            getattr(p, "dense_fallbacks", 0) for p in profiles
+        )
+
+    @property
+    def sigma_min_ratio_min(self) -> float:
+        return self.profile.sigma_min_ratio_min if self.profile is not None else math.nan
+
+
+# ============================================================================
+# One dead-direction read, one path: take the window, solve it, assemble the report.
+#
+# A read has three parts, the same for every loop, every process count and both schedules:
+#
+# 1. :func:`take_window` (main thread, after the cross-rank reduce :func:`reduce_taps`) freezes
+#    what the read needs. With ``swap=True`` (an asynchronous read) every accumulator is
+#    shallow-copied -- the copy keeps *references* to the window's state tensors -- and the live
+#    taps are ``reset()``: each allocates fresh zero tensors, so the next window folds into new
+#    memory while the read holds the old (a swap, no ``d x d`` copy). With ``swap=False`` the
+#    read takes the live accumulators and the caller resets them after.
+# 2. :func:`solve_window` runs the float64 solves as a fixed list of jobs (norm layers in the
+#    tracker's order, then the residual points' ``sigma_min``, the margins, the sources). One
+#    process solves them all: share ``(0, 1)``; under DDP every rank holds the same reduced
+#    accumulators and solves every ``world``-th job (round robin). It runs anywhere (the worker
+#    thread too): no collective, no tracker state but the baselines it sets.
+# 3. :func:`finish_report` (main thread) takes every rank's records (gathered first under a share,
+#    :func:`gather_records`), applies the failures they met and assembles the
+#    :class:`~normscope.families.dead_direction.DeadDirectionReport`. The profile is
+#    built in one place, from each point's solved ``sigma_min`` (:func:`profile_from_parts`).
+#
+# A synchronous read is these three in a row (:meth:`DeadDirectionTracker.read
+# <normscope.families.dead_direction.DeadDirectionTracker.read>`); an asynchronous one runs step 2
+# on the engine's worker.
+#
+# Example::
+#
+#     window = take_window(tracker, step=10, swap=True)   # the taps start a new window
+#     records = solve_window(tracker, window)             # on any thread
+#     report = finish_report(tracker, window, [records])
+# ============================================================================
+
+
+
+
+
+# ------------------------------------------------------------------------ the window
+@dataclass
+class ReadWindow:
+    """What one read needs, frozen at :func:`take_window`: the taps (their accumulators the
+    window's), the gammas the window's forwards used, and what was failed at that point."""
+
+    step: int
+    norms: list[Any]  # NormLayer, in the tracker's order
+    norm_taps: dict[str, tuple[Tap, Tap]]
+    gammas: dict[str, torch.Tensor]
+    skip: set[str]  # norm layers not read (a failed tap or an earlier failed read)
+    point_taps: list[Tap]
+    cross: list[Any]
+    sources: dict[str, list[Any]] | None  # per-source accumulators; None: not read
+    layout: Any
+    profile_on: bool
+    taps: list[Tap]  # every tap (rows_rejected, failed taps)
+    failed_taps: dict[str, str]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the read reads (for ``record_stream`` on a side CUDA stream)."""
+        accs = [t.accumulator for t in self.taps] + list(self.cross)
+        for group in (self.sources or {}).values():
+            accs.extend(group)
+        out = [v for a in accs for v in vars(a).values() if isinstance(v, torch.Tensor)]
+        return out + list(self.gammas.values())
+
+
+@dataclass
+class ReadRecords:
+    """What a solve gave, on the CPU and picklable (gathered across ranks under a share)."""
+
+    norms: dict[str, NormReport] = field(default_factory=dict)
+    norm_failures: dict[str, str] = field(default_factory=dict)
+    baselines: dict[str, tuple[float, int]] = field(default_factory=dict)  # set by this read
+    sigmas: dict[int, tuple[float, str | None, int]] = field(default_factory=dict)
+    margins: dict[int, float] = field(default_factory=dict)
+    profile_failure: str | None = None
+    sources: dict[str, Any] = field(default_factory=dict)
+    sources_failure: str | None = None
+    solves: int = 0  # jobs this rank solved (tests: each rank solves its share only)
+    error: str | None = None  # the solve itself failed: the monitor disables itself
+
+
+def reduce_taps(tracker: DeadDirectionTracker) -> None:
+    """The cross-rank reduce of every accumulator of ``tracker`` (a collective: every rank, the
+    same order); then every rank holds the same window."""
+    for tap in tracker.taps.taps.values():  # same order on every rank
+        tap.accumulator.reduce_()
+    for acc in tracker.cross_moments():
+        acc.reduce_()
+    if tracker.split is not None:
+        tracker.split.reduce_()  # source names agreed across ranks first
+
+
+def read_share() -> tuple[int, int]:
+    """``(rank, world)`` of this process under ``torch.distributed``; ``(0, 1)`` alone."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _frozen(tap: Tap) -> Tap:
+    return dataclasses.replace(tap, accumulator=copy.copy(tap.accumulator))
+
+
+def take_window(tracker: DeadDirectionTracker, step: int, *, swap: bool) -> ReadWindow:
+    """Freeze the window of ``tracker`` (after its reduce). ``swap``: the live accumulators are
+    reset (fresh tensors) and the read keeps the old ones; else the window reads the live ones
+    (the synchronous read, which resets after)."""
+    live = list(tracker.taps.taps.values())
+    frozen = {t.key: (_frozen(t) if swap else t) for t in live}
+    cross = list(tracker.cross_moments())
+    cross = [copy.copy(a) for a in cross] if swap else cross
+    split = tracker.split
+    sources = None
+    if split is not None and split.failed is None:
+        sources = {
+            n: ([copy.copy(a) for a in split.accs[n]] if swap else split.accs[n])
+            for n in sorted(split.accs)
+        }
+    norm_taps = {
+        name: (frozen[a.key], frozen[b.key]) for name, (a, b) in tracker.norm_taps.items()
+    }
+    skip = {
+        n.name
+        for n in tracker.norms
+        if n.name in tracker.failed_reads or any(t.failed for t in tracker.norm_taps[n.name])
+    }
+    window = ReadWindow(
+        step=step,
+        norms=list(tracker.norms),
+        norm_taps=norm_taps,
+        gammas=tracker.window_gammas(),
+        skip=skip,
+        point_taps=[frozen[t.key] for t in tracker.point_taps],
+        cross=cross,
+        sources=sources,
+        layout=tracker.layout,
+        profile_on=tracker.profile_failed is None,
+        taps=[frozen[t.key] for t in live],
+        failed_taps={f"{t.module_name}:{t.where}": t.failed for t in live if t.failed},
+    )
+    if swap:
+        tracker.reset()
+        for old, tap in zip(window.taps, live):
+            # reset() must give the live taps new tensors: one zeroed in place would wipe the
+            # window the read holds (never silently read zeros)
+            if old.accumulator.comoment is tap.accumulator.comoment:
+                raise RuntimeError("normscope: an accumulator's reset() reused its tensors")
+    return window
+
+
+# ------------------------------------------------------------------------ the solves
+def _jobs(window: ReadWindow) -> list[tuple[str, Any]]:
+    jobs: list[tuple[str, Any]] = [("norm", n) for n in window.norms if n.name not in window.skip]
+    if window.profile_on and window.layout is not None and window.point_taps:
+        jobs += [("point", k) for k in range(len(window.point_taps))]
+        if len(window.cross) == len(window.point_taps) - 1:
+            jobs += [("margin", k) for k in range(1, len(window.point_taps))]
+        jobs += [("source", name) for name in window.sources or {}]
+    return jobs
+
+
+def solve_window(
+    tracker: DeadDirectionTracker, window: ReadWindow, share: tuple[int, int] = (0, 1)
+) -> ReadRecords:
+    """Rank ``share[0]``'s round-robin share of the ``share[1]``-way split solves of ``window``
+    (``(0, 1)``: all of them). Never raises: a layer's failure is recorded for
+    :func:`finish_report`, anything else in :attr:`ReadRecords.error`. Touches no tracker state
+    but ``baselines`` / ``baseline_rows`` (Delta_gamma's first read)."""
+    out = ReadRecords()
+    rank, world = share
+    try:
+        for i, job in enumerate(_jobs(window)):
+            if i % world == rank:
+                _solve_job(tracker, window, job, out)
+    except Exception as err:  # noqa: BLE001 - the monitor decides (fail-open)
+        out.error = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, out: ReadRecords):
+    kind, what = job
+    if kind == "norm":
+        _solve_norm(tracker, window, what, out)
+        return
+    out.solves += 1
+    try:
+        if kind == "point":
+            acc = window.point_taps[what].accumulator
+            out.sigmas[what] = point_sigma(acc.second_moment(), acc.count)
+        elif kind == "margin":
+            acc, prev = window.cross[what - 1], window.point_taps[what - 1].accumulator
+            # lambda_min(S_{k-1}) is p_{k-1}'s sigma_min squared: solved once when this rank has it
+            before = out.sigmas.get(what - 1, (math.nan,))[0]
+            known = before**2 if math.isfinite(before) and before > 0 else None
+            margin = no_cancellation_margin(
+                acc.moment(), prev.second_moment(), acc.count, previous_lambda_min=known
+            )
+            out.margins[what] = margin[0]
+        elif kind == "source":
+            assert window.sources is not None
+            out.sources.update(read_sources_of({what: window.sources[what]}, window.layout))
+    except Exception as err:  # noqa: BLE001
+        why = f"{type(err).__name__}: {err}"
+        if kind == "source":
+            out.sources_failure = out.sources_failure or why
+        else:
+            out.profile_failure = out.profile_failure or why
+
+
+def _solve_norm(tracker: DeadDirectionTracker, window: ReadWindow, norm: Any, out: ReadRecords):
+    had = norm.name in tracker.baselines
+    tap_in, tap_out = window.norm_taps[norm.name]
+    try:
+        out.norms[norm.name] = tracker.read_norm(norm, tap_in, tap_out, window.gammas[norm.name])
+    except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
+        out.norm_failures[norm.name] = f"{type(err).__name__}: {err}"
+        return
+    if not had and norm.name in tracker.baselines:
+        out.baselines[norm.name] = (tracker.baselines[norm.name], tracker.baseline_rows[norm.name])
+    out.solves += 1
+
+
+def read_norm(
+    norm: NormLayer,
+    tap_in: Tap,
+    tap_out: Tap,
+    gamma: torch.Tensor,
+    null_tol: float,
+    baselines: dict[str, float],
+    baseline_rows: dict[str, int],
+) -> NormReport:
+    """Every read of ``norm`` from its input and output taps, with the window's ``gamma``.
+    Delta_gamma's baseline is ``baselines[norm.name]`` (its Schur complement ``s``) on
+    ``baseline_rows[norm.name]`` rows; without one, this read becomes it (both dicts updated)."""
+    g = gamma_read(gamma)
+    n_out = tap_out.accumulator.count
+    n_in = tap_in.accumulator.count
+    kernel = kernel_read(
+        tap_out.accumulator.covariance(), g, n_out, null_tol=null_tol, declared_kind=norm.kind
+    )
+    base = None
+    if norm.name in baselines:
+        rows = baseline_rows.get(norm.name, n_in)
+        base = SchurRead(math.nan, baselines[norm.name], None, rows)
+    cov_in = tap_in.accumulator.covariance()
+    schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=base)
+    if base is None and math.isfinite(schur.schur_complement):
+        # docs/metrics.md §1.3: the run's first read (scan: the random-init twin's) is the baseline
+        baselines[norm.name] = schur.schur_complement
+        baseline_rows[norm.name] = n_in
+        schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=schur)
+    return NormReport(norm.name, norm.kind, g, kernel, schur, schur.deepening, n_out)
+
+
+def point_sigma(second_moment: torch.Tensor, n_rows: int) -> tuple[float, str | None, int]:
+    """One point's ``(sigma_min, reason, dense_fallbacks)``, as
+    :func:`~normscope.functional.profile.sigma_min_profile` reads it (its own reason:
+    ``insufficient_rows``, ``non_finite_second_moment``, ``eigh_failed`` or None;
+    ``dense_fallbacks``: 1 when the fast solver could not verify it).
+
+    Example::
+
+        >>> point_sigma(4 * torch.eye(2), 8)
+        (2.0, None, 0)
+    """
+    profile = sigma_min_profile(["p"], [second_moment], [n_rows], [None])
+    point = profile.points[0]
+    reason = None if point.reason == "first_point_unavailable" else point.reason
+    return point.sigma_min, reason, profile.dense_fallbacks
+
+
+def profile_from_parts(
+    points: Sequence[Any],
+    sigmas: Sequence[tuple],
+    n_rows: Sequence[int],
+    dims: Sequence[int],
+    margins: Sequence[float] | None = None,
+) -> SigmaMinProfile:
+    """The profile of ``points`` (residual points: ``name``, ``sublayer``) from each point's
+    :func:`point_sigma`, row count and width (the dense fallbacks summed); ``margins``:
+    ``p_1 ... p_L``'s no-cancellation margins (None: not measured). The one profile builder of
+    the monitor's reads.
+
+    Example::
+
+        >>> from types import SimpleNamespace as P
+        >>> parts = [point_sigma(m, 8) for m in (torch.eye(2), 4 * torch.eye(2))]
+        >>> points = [P(name="embed", sublayer=None), P(name="h.0", sublayer="block")]
+        >>> profile_from_parts(points, parts, [8, 8], [2, 2]).sigma_min_ratio_min
+        2.0
+    """
+    profile = profile_from_sigmas(
+        [p.name for p in points],
+        [p.sublayer for p in points],
+        [(s[0], s[1]) for s in sigmas],
+        n_rows,
+        dims,
+        dense_fallbacks=sum(s[2] if len(s) > 2 else 0 for s in sigmas),
+    )
+    if margins is None:
+        return profile
+    return dataclasses.replace(profile, no_cancellation_margin=(math.nan, *margins))
+
+
+def read_sources_of(
+    accs_by_source: dict[str, list], layout: ResidualLayout
+) -> dict[str, SigmaMinProfile]:
+    """One profile per source, on its own rows (NaN with ``insufficient_rows`` below ``2 d``
+    rows at a point), from the per-source accumulators by source name."""
+    points = layout.points
+    out: dict[str, SigmaMinProfile] = {}
+    for name in sorted(accs_by_source):
+        accs = accs_by_source[name]
+        out[name] = sigma_min_profile(
+            [p.name for p in points],
+            [a.second_moment() for a in accs],
+            [a.count for a in accs],
+            [p.sublayer for p in points],
+        )
+    return out
+
+
+# ------------------------------------------------------------------------ the report
+def gather_records(records: ReadRecords) -> list[ReadRecords]:
+    """Every rank's records, in rank order (``all_gather_object``: a collective; call it on the
+    main thread, at the same point on every rank). One process: ``[records]``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [records]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, _on_cpu(records))
+    return gathered
+
+
+def _on_cpu(records: ReadRecords) -> ReadRecords:
+    """The records with every tensor of the norm reports (gamma's ``v_star``) on the CPU: a
+    pickled CUDA tensor would be unpickled onto the sender's device."""
+    norms = {}
+    for name, report in records.norms.items():
+        v = report.gamma.v_star
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+            report = dataclasses.replace(
+                report, gamma=dataclasses.replace(report.gamma, v_star=v.cpu())
+            )
+        norms[name] = report
+    return dataclasses.replace(records, norms=norms)
+
+
+def _warn_disabled(what: str, reason: str) -> None:
+    warn_disabled(what, reason, stacklevel=4)
+
+
+def finish_report(
+    tracker: DeadDirectionTracker, window: ReadWindow, parts: list[ReadRecords]
+) -> DeadDirectionReport:
+    """The report of ``window`` from every rank's records (one record without a share): the
+    failures applied to ``tracker`` (each disabled layer warned about once), the baselines
+    other ranks set merged in, the profile put together (:func:`profile_from_parts`)."""
+    merged = ReadRecords()
+    for part in parts:
+        merged.norms.update(part.norms)
+        merged.norm_failures.update(part.norm_failures)
+        merged.baselines.update(part.baselines)
+        merged.sigmas.update(part.sigmas)
+        merged.margins.update(part.margins)
+        merged.sources.update(part.sources)
+        merged.profile_failure = merged.profile_failure or part.profile_failure
+        merged.sources_failure = merged.sources_failure or part.sources_failure
+    for name, (s, rows) in merged.baselines.items():
+        tracker.baselines.setdefault(name, s)
+        tracker.baseline_rows.setdefault(name, rows)
+    norms: dict[str, NormReport] = {}
+    for norm in window.norms:  # the tracker's order, whoever solved it
+        if norm.name in merged.norm_failures:
+            tracker.failed_reads[norm.name] = merged.norm_failures[norm.name]
+            _warn_disabled(f"the read of norm layer {norm.name!r}", merged.norm_failures[norm.name])
+        elif norm.name in merged.norms:
+            norms[norm.name] = merged.norms[norm.name]
+    profile = None
+    if merged.profile_failure is not None:
+        if tracker.profile_failed is None:
+            tracker.profile_failed = merged.profile_failure
+            _warn_disabled("the residual sigma_min profile", merged.profile_failure)
+    elif window.profile_on and window.layout is not None and window.point_taps:
+        margins = None
+        if len(window.cross) == len(window.point_taps) - 1:
+            margins = [merged.margins[k] for k in range(1, len(window.point_taps))]
+        profile = profile_from_parts(
+            window.layout.points,
+            [merged.sigmas[k] for k in range(len(window.point_taps))],
+            [t.accumulator.count for t in window.point_taps],
+            [t.dim for t in window.point_taps],
+            margins,
+        )
+    rejected = sum(t.accumulator.rows_rejected for t in window.taps)
+    failed = dict(window.failed_taps)
+    failed.update({f"{name}:read": why for name, why in tracker.failed_reads.items()})
+    if tracker.profile_failed is not None:
+        failed["profile:read"] = tracker.profile_failed
+    report = DeadDirectionReport(window.step, norms, profile, window.layout, rejected, failed)
+    split = tracker.split
+    if window.sources is not None and profile is not None and split is not None:
+        if merged.sources_failure is not None:
+            split.failed = split.failed or merged.sources_failure
+            _warn_disabled("the per-source reads", merged.sources_failure)
+        else:
+            srcs = {n: merged.sources[n] for n in sorted(merged.sources)}
+            report = dataclasses.replace(report, sources=srcs, source_rule=tracker.source_rule)
+    return report
+
+
+# ============================================================================
+# The dead-direction family as the engine drives it: configuration, rules, the first batch
+# (residual discovery), the window's gate and the read.
+#
+# :class:`DeadDirectionFamily` holds what a :class:`~normscope.DeadDirectionMonitor` was given
+# that is not schedule (layers, rows, tolerances, sources, rules), builds its
+# :class:`~normscope.DeadDirectionTracker` when the engine sees the model, and answers the engine's
+# protocol (:class:`normscope.engine.Family`). It knows no trainer: a Lightning callback, a
+# Fabric loop, the Hugging Face ``Trainer`` and a plain loop all reach it through the same engine.
+#
+# Example::
+#
+#     from normscope.engine import Monitor
+#     monitor = Monitor(DeadDirectionFamily(max_rows_per_step=1024), every_n_steps=50)
+# ============================================================================
+
+
+# precisions whose forwards run the norm layers themselves in half precision ("-mixed" autocast
+# keeps layer_norm in float32: measured kernel_residual ~3e-15 under bf16-mixed on CPU)
+_HALF_TRUE = ("bf16-true", "16-true")
+
+
+def check_layers(layers: str | Iterable[str], owner: str) -> str | list[str]:
+    """``"auto"`` or a list of module paths (a generator is read once), else
+    :class:`~normscope._common.ConfigurationError` naming ``owner``."""
+    paths = None if isinstance(layers, str) or not isinstance(layers, Iterable) else list(layers)
+    if layers != "auto" and (paths is None or not all(isinstance(x, str) for x in paths)):
+        raise ConfigurationError(
+            f"{owner}: layers must be 'auto' or a list of module paths, got {layers!r}"
+        )
+    return "auto" if paths is None else paths
+
+
+class DeadDirectionFamily:
+    """The dead-direction reads for the engine (arguments: :class:`~normscope.DeadDirectionMonitor`'s,
+    less the schedule and delivery ones the engine takes).
+
+    Raises:
+        ConfigurationError: a bad argument (at construction), or at :meth:`build` no norm layer
+            / an unknown layer name.
+    """
+
+    prefix = "dd"
+    kind = "DeadDirectionMonitor"
+    supports_async = True
+    #: W&B: the profile chart and spectrum table at the first read and every this many reads
+    charts_every_n_reads: int = 10
+
+    def __init__(
+        self,
+        layers: str | Sequence[str] = "auto",
+        residual: bool = True,
+        max_rows_per_step: int | None = 4096,
+        alert_below: float = 1.0,
+        tolerance: float = 0.4,
+        patience: int = 1,
+        warmup_reads: int = 0,
+        kernel_residual_alert: float | None = 1e-4,
+        null_tol: float = 1e-10,
+        max_memory: int | None = None,
+        example_forward: Callable[[nn.Module, Any], Any] | None = None,
+        seed: int = 0,
+        sources: Callable[[Any], Any] | str | None = None,
+        max_sources: int = 8,
+    ) -> None:
+        owner = self.kind
+        self.layers = check_layers(layers, owner)
+        if max_rows_per_step is not None and max_rows_per_step < 1:
+            raise ConfigurationError(
+                f"{owner}: max_rows_per_step must be None or >= 1, got {max_rows_per_step}"
+            )
+        if max_memory is not None and max_memory <= 0:
+            raise ConfigurationError(f"{owner}: max_memory must be > 0 bytes")
+        if sources is not None and not (isinstance(sources, str) or callable(sources)):
+            raise ConfigurationError(
+                f"{owner}: sources must be fn(batch) -> str | labels per sample, or a batch "
+                f"field name, got {type(sources).__name__}"
+            )
+        try:
+            self.sigma_rule = SigmaMinRatioRule(alert_below, tolerance, patience, warmup_reads)
+        except ValueError as err:
+            raise ConfigurationError(f"{owner}: {err}") from err
+        self.kernel_rule = KernelLossRule(kernel_residual_alert) if kernel_residual_alert else None
+        #: the default rules (sublayers and kinds filled in once the model is attached)
+        self.rules: list[AlertRule] = default_dead_direction_rules(
+            {},
+            {},
+            sources=sources is not None,
+            sigma_rule=self.sigma_rule,
+            kernel_rule=self.kernel_rule,
+            kernel=self.kernel_rule is not None,
+        )
+        self.source_rule: SourceCollapseRule | None = next(
+            (r for r in self.rules if isinstance(r, SourceCollapseRule)), None
+        )
+        self.residual = residual
+        self.max_rows_per_step = max_rows_per_step
+        self.null_tol = null_tol
+        self.max_memory = max_memory
+        self.example_forward = example_forward
+        self.seed = seed
+        self.sources = sources
+        self.max_sources = max_sources
+        self.tracker: DeadDirectionTracker | None = None
+        self._discovering = False
+        self._saved: dict[str, Any] = {}  # state loaded before the tracker existed
+
+    # ------------------------------------------------------------ set-up
+    def check_loop(self, precision: str) -> None:
+        if str(precision) in _HALF_TRUE and self.null_tol < 1e-6:
+            warn_rank_zero(
+                f"normscope: precision={precision!r} runs the norm layers in half precision, so "
+                f"a LayerNorm's kernel holds only to the output rounding floor (kernel_residual "
+                f"about 1e-6 in bf16, measured), above null_tol={self.null_tol:g}: null_dim will "
+                "read 0. Pass null_tol=1e-4 to count it."
+            )
+
+    def build(self, model: nn.Module) -> None:
+        """Find the norm layers of ``model`` (no hook yet)."""
+        try:
+            self.tracker = DeadDirectionTracker(
+                model,
+                layers=self.layers,
+                residual=self.residual,
+                max_rows_per_step=self.max_rows_per_step,
+                null_tol=self.null_tol,
+                seed=self.seed,
+                max_memory=self.max_memory,
+                sources=self.sources,
+                max_sources=self.max_sources,
+            )
+        except (TypeError, ValueError) as err:  # NormDiscoveryError is a ValueError
+            raise ConfigurationError(f"{self.kind}: {err}") from err
+        self.tracker.source_rule = self.sigma_rule
+        self.tracker.baselines.update(self._saved.get("baselines", {}))
+        self.tracker.baseline_rows.update(self._saved.get("baseline_rows", {}))
+        if self.kernel_rule is not None:
+            self.kernel_rule.kinds = {key_path(n.name): n.kind for n in self.tracker.norms}
+
+    @property
+    def attached(self) -> bool:
+        return self.tracker is not None and self.tracker.attached
+
+    def first_batch(self, model: nn.Module, batch: Any) -> tuple[bool, bool]:
+        """At the first batch: arm residual discovery on this batch's own training forward
+        (the points are decided at its end, :meth:`finish_discovery`), or -- with
+        ``example_forward`` or on a compiled model -- attach now with a forward of the
+        family's own. Returns ``(discovering, compiled)``."""
+        assert self.tracker is not None
+        is_compiled = compiled(model)
+        if self.tracker.residual and self.example_forward is None and not is_compiled:
+            try:
+                self.tracker.start_discovery()
+            except Exception as err:  # noqa: BLE001 - e.g. no block stack: keep the norm reads
+                self._profile_off(f"{type(err).__name__}: {err}")
+                return False, is_compiled
+            self._discovering = True
+            return True, is_compiled
+        self._attach_with_forward(model, batch)
+        return False, is_compiled
+
+    def finish_discovery(self) -> None:
+        """At the end of the discovery step: decide the points from its forward, then tap."""
+        if not self._discovering:
+            return
+        self._discovering = False
+        assert self.tracker is not None
+        try:
+            self.tracker.attach()
+        except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
+            self._profile_off(
+                f"the training forward did not show the stream ({type(err).__name__}: {err})"
+            )
+            return
+        self._after_attach()
+
+    def _attach_with_forward(self, model: nn.Module, batch: Any) -> None:
+        assert self.tracker is not None
+        forward = self.example_forward or call_model
+        if self.example_forward is None and isinstance(self.sources, str):
+            field = self.sources  # a label field is no model input
+
+            def forward(module: nn.Module, batch: Any) -> Any:
+                return call_model(module, batch, (field,))
+
+        try:
+            # eager even on a compiled model: dynamo must not trace discovery's identity hooks
+            with torch.no_grad(), eager_forwards():
+                self.tracker.attach(forward=lambda: forward(model, batch))
+        except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
+            self._profile_off(f"the discovery forward failed ({type(err).__name__}: {err})")
+            return
+        self._after_attach()
+
+    def _profile_off(self, why: str) -> None:
+        """No residual profile: one warning saying why and what to pass; the norm reads go on
+        and every read logs ``dd/profile_points`` = 0."""
+        assert self.tracker is not None
+        warn_rank_zero(
+            f"normscope: residual profile disabled (dd/profile_points = 0: no sigma_min profile, "
+            f"so the sigma_min collapse alert is off): {why}. Pass "
+            "example_forward=fn(model, batch) running one forward through the transformer "
+            "blocks, or residual=False to silence this."
+        )
+        self.tracker.detach()
+        self.tracker.residual = False
+        self.tracker.layout = None
+        self.tracker.attach()
+        self._after_attach()
+
+    def _after_attach(self) -> None:
+        """Say what the layout holds (notes as info, a block-boundary fallback as a warning)
+        and give the rules the points' sublayers; a post-norm model gets no sigma_min rules."""
+        assert self.tracker is not None
+        subs = {}
+        layout = self.tracker.layout
+        if layout is not None:
+            subs = {key_path(p.name): p.sublayer for p in layout.points}
+            for note in layout.notes:
+                if note == layout.fallback:
+                    warn_rank_zero(f"normscope: {note}")
+                else:
+                    say(f"normscope: {note}")
+            if layout.style == "post-norm" and self.sigma_rule in self.rules:
+                # The no-cancellation bound is a pre-norm statement: on post-LN blocks the
+                # profile is logged, but a ratio below 1 is not an alert.
+                self.rules.remove(self.sigma_rule)
+                if self.source_rule in self.rules:
+                    self.rules.remove(self.source_rule)
+                say("normscope: post-norm model: sigma_min alerts are off")
+        self.sigma_rule.sublayers = subs
+        if self.source_rule is not None:
+            self.source_rule.sublayers = subs
+
+    def detach(self) -> None:
+        if self.tracker is not None:
+            self.tracker.gate.open = False
+            self.tracker.detach()
+
+    # ------------------------------------------------------------ the window
+    def see(self, batch: Any) -> None:
+        return None
+
+    def open(self, batch: Any) -> None:
+        """Open the gate for this micro-batch's forwards (the gammas snapshotted first)."""
+        tracker = self.tracker
+        assert tracker is not None
+        tracker.snapshot_gammas()  # the gammas this window's forwards use
+        tracker.gate.mask = batch_mask(batch)
+        tracker.gate.sources = tracker.label(batch)
+        tracker.gate.open = True
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.gate.open = False
+            self.tracker.gate.mask = None
+            self.tracker.gate.sources = None
+
+    def rows(self) -> torch.Tensor:
+        """The window's smallest row count over the live taps (a device tensor)."""
+        assert self.tracker is not None
+        return self.tracker.min_rows()
+
+    def rows_needed(self, rules: Sequence[Any]) -> int:
+        """``min_rows_per_dim * d`` rows when the sigma rule decides, else ``2 d``."""
+        assert self.tracker is not None
+        per_dim = self.sigma_rule.min_rows_per_dim if self.sigma_rule in rules else 2.0
+        width = max((t.dim for t in self.tracker.taps.taps.values()), default=1)
+        return math.ceil(per_dim * width)
+
+    # ------------------------------------------------------------ the read
+    def take(self, step: int, *, distributed: bool, swap: bool) -> ReadWindow:
+        """The read step's main-thread part: the cross-rank reduce, then the window taken
+        (``swap``: the taps get fresh accumulators at once)."""
+        assert self.tracker is not None
+        if distributed:
+            reduce_taps(self.tracker)
+        return take_window(self.tracker, step, swap=swap)
+
+    def read(self, step: int, *, distributed: bool) -> DeadDirectionReport:
+        """A synchronous read: the same take / solve / assemble, waited for at once."""
+        assert self.tracker is not None
+        return self.tracker.read(step, reduce=distributed)
+
+    def solve(self, window: ReadWindow, share: tuple[int, int]) -> ReadRecords:
+        assert self.tracker is not None
+        return solve_window(self.tracker, window, share)
+
+    def gather(self, records: ReadRecords | None, error: str | None = None) -> list[ReadRecords]:
+        """Every rank's records (a collective); ``None`` with ``error``: a failed rank's part."""
+        return gather_records(records if records is not None else ReadRecords(error=error))
+
+    def assemble(self, window: ReadWindow, parts: list[ReadRecords], solves: int) -> Any:
+        tracker = self.tracker
+        assert tracker is not None
+        tracker.last_solves = solves
+        return finish_report(tracker, window, parts)
+
+    def reset(self) -> None:
+        if self.tracker is not None:
+            self.tracker.reset()
+
+    def metrics(self, report: DeadDirectionReport) -> dict[str, float]:
+        return report.as_dict()
+
+    def read_line(self, report: DeadDirectionReport, fired: Sequence[Any]) -> str:
+        return format_read_line(report, fired)
+
+    def summary(self, report: DeadDirectionReport, reads: int, alerts: Sequence[Any]) -> str:
+        return format_summary(report, reads, alerts)
+
+    def worst_point(self, report: DeadDirectionReport) -> tuple[float, str] | None:
+        """The run's candidate worst point: ``(ratio, point)`` of this read (W&B summary)."""
+        profile = report.profile
+        if profile is None or not math.isfinite(profile.sigma_min_ratio_min):
+            return None
+        return profile.sigma_min_ratio_min, key_path(profile.worst_point or "")
+
+    def charts(self, report: DeadDirectionReport, step: int) -> dict[str, Any]:
+        """The W&B media of a read: a table of each norm's bottom eigenvalues and the
+        ``sigma_min`` ratio against depth (the engine logs them at the first read and every
+        :attr:`charts_every_n_reads`-th)."""
+        import wandb
+
+        payload: dict[str, Any] = {}
+        spectrum = wandb.Table(columns=["layer", "k", "eigenvalue_over_top"])
+        for layer, norm in report.norms.items():
+            for k, value in enumerate(norm.kernel.bottom_eigenvalues):
+                spectrum.add_data(layer, k + 1, float(value))
+        payload["dd/spectrum_bottom"] = spectrum
+        profile = report.profile
+        if profile is not None:
+            xs = list(range(len(profile.points)))
+            ratios = [
+                p.sigma_min_ratio if math.isfinite(p.sigma_min_ratio) else math.nan
+                for p in profile.points
+            ]
+            payload["dd/sigma_min_profile"] = wandb.plot.line_series(
+                xs=xs,
+                ys=[ratios, [1.0] * len(xs)],
+                keys=["sigma_min_ratio", "floor (1.0)"],
+                title=f"sigma_min ratio against depth (step {step})",
+                xname="residual point (depth)",
+            )
+        return payload
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Delta_gamma's baselines and the rows each was read on."""
+        tracker = self.tracker
+        if tracker is None:
+            return {k: dict(v) for k, v in self._saved.items()}
+        return {"baselines": dict(tracker.baselines), "baseline_rows": dict(tracker.baseline_rows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._saved = {
+            "baselines": {str(k): float(v) for k, v in state.get("baselines", {}).items()},
+            "baseline_rows": {str(k): int(v) for k, v in state.get("baseline_rows", {}).items()},
+        }
+        if self.tracker is not None:
+            self.tracker.baselines.update(self._saved["baselines"])
+            self.tracker.baseline_rows.update(self._saved["baseline_rows"])
+
+    def describe(self) -> str:
+        """One line on what is read (for a person)."""
+        tracker = self.tracker
+        if tracker is None:
+            return "not built"
+        points = len(tracker.layout.points) if tracker.layout is not None else 0
+        return f"{len(tracker.norms)} norm layers, {points} residual points, " + fmt(
+            tracker.memory_bytes() / 2**20, ".1f"
+        ) + " MiB"
+
+
+# ============================================================================
+# Plain-text renderings of a read: one line per read, a table, an end-of-run summary.
+# ============================================================================
+
+
+_f = fmt
+
+
+def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -> str:
+    """``normscope step 50 | sigma_min_ratio_min 0.97 at h.2.ln_2 (attn) | ...`` in one line."""
+    parts = [f"normscope step {report.step}"]
+    profile = report.profile
+    if profile is not None:
+        worst = profile.worst_point
+        sub = next((p.sublayer for p in profile.points if p.name == worst), None)
+        where = f" at {key_path(worst)} ({sub or 'block'})" if worst else ""
+        parts.append(f"sigma_min_ratio_min {_f(profile.sigma_min_ratio_min)}{where}")
+    ln = [n for n in report.norms.values() if n.kind == "layernorm" and n.gamma.dead_channels == 0]
+    if ln:
+        parts.append(f"gamma_alignment_min {_f(min(n.kernel.gamma_alignment for n in ln), '.6f')}")
+    deltas = [
+        n.schur.delta_gamma for n in report.norms.values() if math.isfinite(n.schur.delta_gamma)
+    ]
+    if deltas:
+        parts.append(f"Delta_gamma max {_f(max(deltas))}")
+    if report.sources:
+        per = ", ".join(f"{name} {_f(p.sigma_min_ratio_min)}" for name, p in report.sources.items())
+        collapses = report.collapses
+        verdict = (
+            f"; {collapses[0].kind} collapse at {key_path(collapses[0].point)}" if collapses else ""
+        )
+        parts.append(f"by source: {per}{verdict}")
+    if report.rows_rejected:
+        parts.append(f"rows_rejected {report.rows_rejected}")
+    if report.failed_taps:
+        off = sorted({key.rsplit(":", 1)[0] for key in report.failed_taps})
+        parts.append(f"disabled after a failure: {', '.join(off)}")
+    if fired:
+        parts.append(f"ALERTS {len(fired)}: " + "; ".join(a.message for a in fired))
+    return " | ".join(parts)
+
+
+def format_table(report: DeadDirectionReport) -> str:
+    """One row per norm layer, then the sigma_min profile."""
+    lines = [
+        f"{'norm layer':<36} {'kind':<9} {'class':<15} {'align':>9} {'kernel_res':>10} "
+        f"{'null':>4} {'dead':>4} {'Delta_g':>8} {'deepen':>7}",
+    ]
+    for name, n in report.norms.items():
+        lines.append(
+            f"{name[-36:]:<36} {n.kind:<9} {n.kernel.norm_class:<15} "
+            f"{_f(n.kernel.gamma_alignment, '.6f'):>9} {_f(n.kernel.kernel_residual, '.1e'):>10} "
+            f"{n.kernel.null_dim:>4} {n.gamma.dead_channels:>4} {_f(n.schur.delta_gamma, '.3f'):>8} "
+            f"{_f(n.deepening, '.3g'):>7}"
+        )
+    if report.profile is not None:
+        lines.append("")
+        lines.append(
+            f"{'residual point':<40} {'sublayer':<8} {'sigma_min':>10} {'ratio':>7} {'step':>7} "
+            f"{'margin':>9}"
+        )
+        margins = report.profile.no_cancellation_margin
+        for p, margin in zip(report.profile.points, margins):
+            lines.append(
+                f"{p.name[-40:]:<40} {p.sublayer or '-':<8} {_f(p.sigma_min, '.4g'):>10} "
+                f"{_f(p.sigma_min_ratio, '.3f'):>7} {_f(p.sigma_min_step, '.3f'):>7} "
+                f"{_f(margin, '.3g'):>9}"
+            )
+    return "\n".join(lines)
+
+
+def format_summary(report: DeadDirectionReport, reads: int, alerts: Sequence[Alert]) -> str:
+    """The end-of-fit summary: the last read as a table and every alert of the run."""
+    head = (
+        f"normscope summary: {reads} reads, {len(alerts)} alert(s); last read at step {report.step}"
+    )
+    body = [head, format_table(report)]
+    for a in alerts:
+        body.append(f"  alert at step {a.step}: {a.message}")
+    return "\n".join(body)

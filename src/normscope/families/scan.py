@@ -9,33 +9,10 @@ import torch
 from torch import nn
 
 from normscope.families.dead_direction import DeadDirectionReport, DeadDirectionTracker
+from normscope.taps.hooks import batch_mask, call_model
 from normscope.taps.sources import resolve_labels
 
-__all__ = ["call_model", "batch_mask", "scan_model"]
-
-_NOT_INPUTS = ("labels", "label", "targets")
-
-
-def call_model(model: nn.Module, batch: Any, drop: tuple[str, ...] = ()) -> Any:
-    """Run ``model`` on a batch the way a user would: a dict as keyword arguments (labels and
-    the ``drop`` fields left out: a ``sources=`` field name), a tuple/list by its first element
-    (``(inputs, targets)``), a tensor as is."""
-    if isinstance(batch, dict):
-        skip = (*_NOT_INPUTS, *drop)
-        return model(**{k: v for k, v in batch.items() if k not in skip})
-    if isinstance(batch, (tuple, list)):
-        return model(batch[0])
-    return model(batch)
-
-
-def batch_mask(batch: Any) -> torch.Tensor | None:
-    """The padding mask a batch carries (``attention_mask`` of a dict batch), else None."""
-    if isinstance(batch, dict):
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
-            return mask
-    return None
-
+__all__ = ["scan_model"]
 
 @torch.no_grad()
 def scan_model(

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from normscope._common import warn_disabled
+from normscope.families.dead_direction import key_path
+from normscope.families.probes import ProbeReads
 from normscope.functional.moments import DiagonalMoment
 from normscope.functional.sign_magnitude import (
     OutlierRead,
@@ -34,8 +36,6 @@ from normscope.functional.sign_magnitude import (
     outlier_amplitudes,
     weight_read,
 )
-from normscope.families.dead_direction import key_path
-from normscope.families.probes import ProbeReads
 from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import find_norm_layers
 from normscope.taps.stacks import longest_stack, same_class_stacks

@@ -18,10 +18,9 @@ from torch import nn
 
 from normscope._common import ConfigurationError
 from normscope.alerts import AlertRule, OutlierRule, SignChurnSpikeRule
-from normscope.families.dead_direction_family import check_layers
-from normscope.families.scan import call_model
+from normscope.families.dead_direction import check_layers
 from normscope.families.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
-from normscope.taps.hooks import compiled, eager_forwards
+from normscope.taps.hooks import call_model, compiled, eager_forwards
 
 __all__ = ["SignMagnitudeFamily", "slice_batch", "to_device"]
 

@@ -11,8 +11,8 @@ import torch
 from normscope.functional.covariance import symmetric_eigh, symmetric_eigvalsh
 from normscope.functional.gamma import (
     GammaRead,
-    resolve_gamma,
     predicted_kernel,
+    resolve_gamma,
     row_count,
     square_matrix,
 )

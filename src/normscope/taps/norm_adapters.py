@@ -20,10 +20,10 @@ from normscope.taps.norm_layer import (
     KINDS,
     NormDiscoveryError,
     NormLayer,
-    bias_of,
     _no_tensor,
-    weight_of,
+    bias_of,
     full_tensor_float64,
+    weight_of,
 )
 
 __all__ = ["NormAdapter", "register_norm_adapter", "unregister_norm_adapter"]

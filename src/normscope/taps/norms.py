@@ -31,8 +31,8 @@ from torch import nn
 from normscope.taps.norm_adapters import (
     USER_ADAPTERS,
     NormAdapter,
-    understand,
     register_norm_adapter,
+    understand,
     unregister_norm_adapter,
 )
 from normscope.taps.norm_layer import (

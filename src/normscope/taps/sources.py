@@ -14,7 +14,7 @@ tokens of that sample; a tapped tensor whose first dimension is not the batch's 
 (its rows stay in the pooled read only, :attr:`SourceSplit.unattributed` counts them).
 
 The pooled accumulators are untouched: a source's rows are folded *in addition*, on the same
-row subset the :class:`~normscope.taps.chain.PointChain` drew, so that the Chan merge of every
+row subset the :class:`~normscope.taps.hooks.PointChain` drew, so that the Chan merge of every
 source's accumulator is the pooled one (up to rounding) and the pooled read stays what it is
 without ``sources=``. Cost: one more ``8 d^2`` float64 co-moment per source and point; a fold
 per source and point on a sampled forward (per-row labels fold every row with a 0/1 weight:
