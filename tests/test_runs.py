@@ -176,3 +176,51 @@ def test_a_wandb_save_folder_with_its_latest_run_link(tmp_path, wandb_offline):
     assert read_run(save_dir).path.resolve() == read_run(run_dir).path.resolve()
     # the folder a user hands to WandbLogger(save_dir=...), two levels above the file
     assert read_run(save_dir.parent).path.resolve() == read_run(run_dir).path.resolve()
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    """One real Hugging Face ``Trainer`` run logged to W&B (offline), one to TensorBoard."""
+    from tests.cli.hf_runs import hf_run
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        return {
+            kind: hf_run(tmp_path_factory.mktemp(f"hf_{kind}"), kind)
+            for kind in ("wandb", "tensorboard")
+        }
+
+
+@pytest.mark.parametrize("kind", ["wandb", "tensorboard"])
+def test_hugging_face_trainer_runs_read_at_the_global_step(hf_runs, kind):
+    """The Trainer logs ``train/dd/...`` (W&B and TensorBoard) and, on W&B, the step as
+    ``train/global_step`` between its own loss rows: the keys come back as ``dd/...`` at the
+    Trainer's global step, the Trainer's own keys untouched."""
+    hf = hf_runs[kind]
+    run = read_run(hf.folder)
+    assert run.source == kind and run.key_prefix == "train/"
+    assert sorted(hf.reads) == [2, 4, 8, 12, 16, 20, 24]  # the baseline window is step 1
+    steps, values = run.series("dd/sigma_min_ratio_min")
+    assert steps.tolist() == sorted(hf.reads)
+    want = [hf.reads[s]["dd/sigma_min_ratio_min"] for s in sorted(hf.reads)]
+    # W&B keeps the double; TensorBoard stores float32
+    assert values.tolist() == pytest.approx(want, rel=0 if kind == "wandb" else 1e-6)
+    assert not any(k.startswith("train/dd") for k in run.keys())
+    assert "train/loss" in run.keys() and "dd/alert/sigma_min_collapse" in run.keys()
+    if kind == "wandb":  # what the reader must not use: W&B's row counter
+        rows = [r for r in run.history if "dd/sigma_min_ratio_min" in r]
+        assert [r["_step"] for r in rows] != steps.tolist()
+        assert [r["train/global_step"] for r in rows] == steps.tolist()
+
+
+def test_prefix_is_dropped_from_normscope_keys_only():
+    from normscope.runs import RunLog
+
+    rows = [{"train/dd/a": 1.0, "train/dd[fast].code/b": 2.0, "train/sm/c": 3.0,
+             "train/loss": 4.0, "train/dda/x": 5.0, "step": 1.0}]  # fmt: skip
+    run = RunLog("tensorboard", Path("."), rows)
+    assert run.key_prefix == "train/"
+    assert run.keys() == ["dd/a", "dd[fast].code/b", "sm/c", "train/dda/x", "train/loss"]
+    plain = RunLog("csv", Path("."), [{"dd/a": 1.0, "step": 1.0}])
+    assert plain.key_prefix == "" and plain.keys() == ["dd/a"]

@@ -5,23 +5,27 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from normscope.alerts import KernelLossRule, SigmaMinRatioRule
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "ALERT_RATIO",
     "DPI",
     "KERNEL_ALERT",
     "KERNEL_ALERT_LABEL",
+    "LOG_FLOOR",
+    "finite",
     "log_floor",
     "new_figure",
     "save",
     "short_names",
+    "ticks",
     "titled",
 ]
 
@@ -33,7 +37,11 @@ LOG_FLOOR = 1e-18
 
 
 def new_figure(width: float = 9.0, height: float = 4.8) -> Figure:
-    """A figure on an Agg canvas (PNG output without pyplot or a display)."""
+    """A figure on an Agg canvas (PNG output without pyplot or a display). matplotlib, of the
+    ``cli`` extra, is imported here, when a figure is drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
@@ -119,7 +127,8 @@ def titled(title: str, verdict: str, width: int = 90) -> str:
     return "\n".join([title, *lines])
 
 
-def _finite(values: Iterable[Any]) -> np.ndarray:
+def finite(values: Iterable[Any]) -> np.ndarray:
+    """Numbers as a float array, anything else (None, a string) as NaN."""
     return np.array([v if isinstance(v, (int, float)) else math.nan for v in values], dtype=float)
 
 
@@ -132,7 +141,8 @@ def log_floor(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     return np.where(low, floor, values), low, floor
 
 
-def _ticks(ax: Any, labels: Sequence[str]) -> None:
+def ticks(ax: Any, labels: Sequence[str]) -> None:
+    """One x tick per label, rotated, smaller past 30 labels."""
     ax.set_xticks(range(len(labels)))
     size = 8 if len(labels) <= 30 else 6
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=size)

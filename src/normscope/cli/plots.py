@@ -17,36 +17,26 @@ from typing import Any
 
 import numpy as np
 
-from normscope.cli.figures import ALERT_RATIO as ALERT_RATIO
-from normscope.cli.figures import DPI as DPI
-from normscope.cli.figures import KERNEL_ALERT as KERNEL_ALERT
 from normscope.cli.figures import (
+    ALERT_RATIO,
+    KERNEL_ALERT,
     KERNEL_ALERT_LABEL,
-    _finite,
-    _ticks,
+    finite,
     log_floor,
     new_figure,
     save,
     short_names,
+    ticks,
     titled,
 )
-from normscope.cli.figures import LOG_FLOOR as LOG_FLOOR
-from normscope.cli.spectrum_plots import NULL_TOL as NULL_TOL
-from normscope.cli.spectrum_plots import plot_spectrum
-from normscope.cli.spectrum_plots import spectrum_highlights as spectrum_highlights
-from normscope.cli.spectrum_plots import spectrum_verdict as spectrum_verdict
 
 __all__ = [
+    "KIND_COLOUR",
     "SUBLAYER_STYLE",
-    "log_floor",
-    "new_figure",
+    "alignment_verdict",
     "plot_alignment",
     "plot_gamma",
     "plot_profile",
-    "plot_spectrum",
-    "save",
-    "short_names",
-    "titled",
 ]
 
 SUBLAYER_STYLE = {  # marker and colour of a residual point by what lies before it
@@ -70,9 +60,9 @@ def plot_profile(
     fig = new_figure()
     ax = fig.add_subplot()
     depth = np.arange(len(profile))
-    ratio = _finite(p.get("sigma_min_ratio") for p in profile)
-    step = _finite(p.get("sigma_min_step") for p in profile)
-    twin = _finite(p.get("baseline_ratio") for p in profile)
+    ratio = finite(p.get("sigma_min_ratio") for p in profile)
+    step = finite(p.get("sigma_min_step") for p in profile)
+    twin = finite(p.get("baseline_ratio") for p in profile)
     every = np.concatenate([ratio, step, twin])
     every = every[np.isfinite(every)]
     use_log = every.size > 0 and (every.min() <= 0 or every.max() / max(every.min(), 1e-300) > 30)
@@ -114,7 +104,7 @@ def plot_profile(
     ax.axhline(
         ALERT_RATIO, color="tab:red", lw=0.8, ls="--", label=f"alert threshold {ALERT_RATIO}"
     )
-    _ticks(ax, short_names([p["name"] for p in profile]))
+    ticks(ax, short_names([p["name"] for p in profile]))
     ax.set_xlabel("residual point (depth)")
     ax.set_ylabel("sigma_min(p_k) / sigma_min(p_0)")
     ax.set_title(title, fontsize=10)
@@ -151,7 +141,7 @@ def alignment_verdict(norms: Sequence[Mapping[str, Any]]) -> str:
         for i, n in enumerate(norms)
         if n.get("kind") == "layernorm" and not n.get("dead_channels")
     ]
-    resid = _finite(norms[i].get("kernel_residual") for i in ln)
+    resid = finite(norms[i].get("kernel_residual") for i in ln)
     parts = []
     lost = [names[i] for i, r in zip(ln, resid) if r > KERNEL_ALERT]
     kept = int(np.sum(resid <= KERNEL_ALERT))
@@ -190,8 +180,8 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
     labels = short_names([n["name"] for n in norms])
     colours = np.array([KIND_COLOUR.get(n.get("kind"), "tab:gray") for n in norms], dtype=object)
     dead = np.array([bool(n.get("dead_channels")) for n in norms], dtype=bool)
-    distance = 1.0 - _finite(n.get("gamma_alignment") for n in norms)
-    resid = _finite(n.get("kernel_residual") for n in norms)
+    distance = 1.0 - finite(n.get("gamma_alignment") for n in norms)
+    resid = finite(n.get("kernel_residual") for n in norms)
     panels = (
         (top, distance, "1 - gamma_alignment", [(1 - 0.9999, "0.9999 alignment")],
          "gamma off the kernel direction"),
@@ -232,7 +222,7 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.align_ylabels([top, bottom])
     top.set_title(titled(title, alignment_verdict(norms)), fontsize=9)
-    _ticks(bottom, labels)
+    ticks(bottom, labels)
     for tick, is_dead in zip(bottom.get_xticklabels(), dead):
         if is_dead:
             tick.set_color("tab:red")
@@ -274,7 +264,7 @@ def plot_gamma(
             )
     ax.axhline(1.0, color="black", lw=0.6, ls=":")
     ax.axhline(0.0, color="black", lw=0.6)
-    _ticks(ax, short_names(names))
+    ticks(ax, short_names(names))
     ax.set_ylabel("gamma (effective scale)")
     ax.set_title(title, fontsize=10)
     if any(dead.get(n) for n in names):

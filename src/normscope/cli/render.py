@@ -22,9 +22,11 @@ __all__ = [
     "html_page",
     "md_table",
     "out_dir",
+    "profile_rows",
     "run_html",
     "scan_html",
     "scan_markdown",
+    "source_lines",
     "text_table",
     "to_json",
 ]
@@ -150,7 +152,8 @@ def _norm_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def _profile_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+def profile_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The scan's ``sigma_min`` profile table: head and one row per residual point."""
     head = ["residual point", "sublayer", "sigma_min", "sigma_min_ratio", "sigma_min_step",
             "random-init ratio"]  # fmt: skip
     rows = [
@@ -219,7 +222,7 @@ def scan_markdown(result: Mapping[str, Any], images: Mapping[str, str]) -> str:
     lines += md_table(*_norm_rows(result))
     if result["profile"]:
         lines += ["", "## sigma_min depth profile", ""]
-        lines += md_table(*_profile_rows(result))
+        lines += md_table(*profile_rows(result))
     if result.get("sources"):
         lines += ["", "## Per source", ""]
         lines += [f"- {line}" for line in source_lines(result) if line]
@@ -250,7 +253,7 @@ def scan_html(result: Mapping[str, Any], images: Mapping[str, str | Path]) -> st
     if result["profile"]:
         sections += [
             "<h2>sigma_min depth profile</h2>",
-            _html_table(*_profile_rows(result), left=(0, 1)),
+            _html_table(*profile_rows(result), left=(0, 1)),
         ]
     if result.get("sources"):
         items = "".join(f"<li>{html.escape(x)}</li>" for x in source_lines(result) if x)

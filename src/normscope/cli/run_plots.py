@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.figure import Figure
 
-from normscope.cli.plots import ALERT_RATIO, log_floor, new_figure, save, short_names, titled
+from normscope.cli.figures import ALERT_RATIO, log_floor, new_figure, save, short_names, titled
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "depth_axis_label",

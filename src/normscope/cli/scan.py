@@ -27,13 +27,12 @@ from normscope.cli.data import TokenData, make_batches
 from normscope.cli.errors import CLIError
 from normscope.cli.loading import load_model
 from normscope.cli.options import DEFAULT_TOKENS
-from normscope.cli.scan_result import PLOTS as PLOTS
-from normscope.cli.scan_result import default_alerts, scan_result, write_scan_outputs
+from normscope.cli.scan_result import scan_result, write_scan_outputs
 from normscope.monitors.dead_direction import DeadDirectionReport
 from normscope.monitors.scan import scan_model
 from normscope.taps.norms import NormDiscoveryError, find_norm_layers
 
-__all__ = ["default_alerts", "format_scan_table", "run", "scan_result", "write_scan_outputs"]
+__all__ = ["data_sources", "format_scan_table", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,7 +176,7 @@ def _combine(parts: list[tuple[str | None, TokenData]]) -> tuple[TokenData, Any]
 @contextlib.contextmanager
 def _progress(model: nn.Module, total: int, desc: str) -> Iterator[None]:
     """A tqdm bar over the scan's forwards (shown on a terminal only), counted by a forward
-    hook on the model itself."""
+    hook on the model itself. tqdm, of the ``cli`` extra, is imported when a scan runs."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc=desc, unit="forward", disable=None, file=sys.stderr, leave=False)
@@ -260,7 +259,7 @@ def format_scan_table(result: dict[str, Any]) -> str:
     lines += render.text_table(head, rows, right=(2, 3, 4, 5, 7, 8))
     if result["profile"]:
         lines.append("")
-        rows = render._profile_rows(result)[1]  # the report's rows, under shorter heads
+        rows = render.profile_rows(result)[1]  # the report's rows, under shorter heads
         head = ["residual point", "sublayer", "sigma_min", "ratio", "step", "init_ratio"]
         lines += render.text_table(head, rows, right=(2, 3, 4, 5))
     s = result["summary"]

@@ -10,7 +10,7 @@ from typing import Any
 import normscope
 from normscope.alerts import Alert, default_dead_direction_rules
 from normscope.cli import plots, render
-from normscope.cli.loading import LoadedModel
+from normscope.cli.loaded import LoadedModel
 from normscope.monitors.dead_direction import DeadDirectionReport
 
 __all__ = ["PLOTS", "default_alerts", "scan_result", "write_scan_outputs"]

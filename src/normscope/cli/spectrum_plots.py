@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from normscope.cli.figures import _finite, log_floor, new_figure, save, short_names, titled
+from normscope.cli.figures import finite, log_floor, new_figure, save, short_names, titled
 
 __all__ = ["NULL_TOL", "plot_spectrum", "spectrum_highlights", "spectrum_verdict"]
 
@@ -37,13 +37,13 @@ def spectrum_highlights(norms: Sequence[Mapping[str, Any]]) -> dict[int, str]:
         ...     {"bottom_eigenvalues": [1e-16, 5e-3], "null_dim": 1}])
         {0: 'first', 3: 'final', 1: 'worst'}
     """
-    has = [i for i, n in enumerate(norms) if _finite(n.get("bottom_eigenvalues") or []).size]
+    has = [i for i, n in enumerate(norms) if finite(n.get("bottom_eigenvalues") or []).size]
     if not has:
         return {}
     roles = {has[0]: "first", has[-1]: "final"}
 
     def badness(i: int) -> tuple[int, float]:
-        values = _finite(norms[i]["bottom_eigenvalues"])
+        values = finite(norms[i]["bottom_eigenvalues"])
         null = _null_count(norms[i], values)
         live = values[np.isfinite(values) & (values > NULL_TOL)]
         return null, -(float(live.min()) if live.size else math.inf)
@@ -72,7 +72,7 @@ def spectrum_verdict(norms: Sequence[Mapping[str, Any]]) -> str:
     dead = {name: n.get("dead_channels") for n, name in zip(norms, names)}
     low, where = math.inf, None
     for n, name in zip(norms, names):
-        values = _finite(n.get("bottom_eigenvalues") or [])
+        values = finite(n.get("bottom_eigenvalues") or [])
         if not values.size:
             continue
         counts.setdefault(_null_count(n, values), []).append(name)
@@ -111,13 +111,13 @@ def plot_spectrum(norms: Sequence[Mapping[str, Any]], path: str | Path, *, title
     lowest, highest, longest = math.inf, 0.0, 1
     drawn = []
     for i, (n, label) in enumerate(zip(norms, labels)):
-        values = _finite(n.get("bottom_eigenvalues") or [])
+        values = finite(n.get("bottom_eigenvalues") or [])
         if not values.size or not np.isfinite(values).any():
             continue
         values, low, floor = log_floor(values)
         lowest, highest = min(lowest, floor), max(highest, float(np.nanmax(values)))
         longest = max(longest, len(values))
-        drawn.append((i, values, low, label, _null_count(n, _finite(n["bottom_eigenvalues"]))))
+        drawn.append((i, values, low, label, _null_count(n, finite(n["bottom_eigenvalues"]))))
     for i, values, low, label, null in sorted(drawn, key=lambda d: d[0] in roles):
         k = np.arange(1, len(values) + 1)
         role = roles.get(i)
