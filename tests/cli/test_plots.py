@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from normscope.cli import figures, plots, run_plots, spectrum_plots
+from normscope.cli import figures, norm_plots, plots, run_plots, spectrum_plots
 from normscope.cli.figures import DPI
 from tests.cli.support import assert_drawn, colour_share, png_pixels, png_size
 
@@ -249,7 +249,7 @@ def test_run_profile_and_norm_metrics_render(tmp_path: Path) -> None:
     assert colour_share(check_png(path, 9.0, 4.8), RED) > 0.0005  # the read at the alert
     for step, values in reads.items():
         values.update({"dd/ln/gamma_alignment": 1.0, "dd/ln/kernel_residual": 1e-15 * step})
-    path = run_plots.plot_norm_metrics(
+    path = norm_plots.plot_norm_metrics(
         reads, ["ln"], [("gamma_alignment", "a", False), ("kernel_residual", "k", True)],
         [{"step": 30.0}], tmp_path / "n.png", title="r",
     )  # fmt: skip

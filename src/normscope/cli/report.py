@@ -25,10 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from normscope._common import fmt
-from normscope.cli import render, run_plots
+from normscope.cli import norm_plots, render, run_plots
 from normscope.cli.errors import CLIError
 from normscope.cli.figures import KERNEL_ALERT, KERNEL_ALERT_LABEL
-from normscope.cli.run_alerts import log_sources, run_alerts, source_classes
+from normscope.cli.norm_plots import kernel_verdict
+from normscope.cli.run_alerts import (
+    declared_kinds,
+    is_post_norm,
+    log_sources,
+    run_alerts,
+    source_classes,
+)
 from normscope.monitors.names import canonical_metrics, family_names
 from normscope.runs import RunReadError, read_run
 
@@ -200,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         {a["step"] for a in alerts if isinstance(a["step"], float) and math.isfinite(a["step"])}
     )
     out = render.out_dir(args.out)
-    images = _plots(reads, norms, points, alerts, alert_steps, out, Path(args.run_dir).name)
+    images = _plots(reads, norms, points, alerts, alert_steps, out, Path(args.run_dir).name, notes)
     head, rows = summary_table(reads, points, set(alert_steps))
     result = {
         "command": "report",
@@ -247,39 +254,67 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str) -> dict[str, str]:
+def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str, notes: list[str]):
+    """Write the figures; a figure with nothing to draw is not written, and ``notes`` says
+    why. Returns ``{file: caption}`` of the files written."""
     captions: dict[str, str] = {}
+    post_norm = is_post_norm(points)
     if points:
         run_plots.plot_sigma_over_steps(
             reads, points, alerts, out / "sigma_min_over_steps.png",
-            title=f"{name}: sigma_min ratio over training steps",
+            title=f"{name}: sigma_min ratio over training steps", post_norm=post_norm,
         )  # fmt: skip
         captions["sigma_min_over_steps.png"] = "sigma_min ratio over training steps"
         steps = _chosen_steps(list(reads), alert_steps)
         run_plots.plot_run_profile(
             reads, points, steps, alert_steps, out / "sigma_min_profile.png",
-            title=f"{name}: sigma_min ratio against depth at a few steps",
+            title=f"{name}: sigma_min ratio against depth at a few steps", post_norm=post_norm,
         )  # fmt: skip
         captions["sigma_min_profile.png"] = "sigma_min ratio against depth"
-    if norms:
-        panels = {
-            "alignment.png": ("gamma_alignment and kernel_residual over steps", [
-                ("gamma_alignment", "gamma_alignment", False),
-                ("kernel_residual", "kernel_residual", True)]),
-            "gamma.png": ("gamma spread, min and max over steps", [
-                ("gamma_spread", "gamma_spread", False), ("gamma_min", "gamma_min", False),
-                ("gamma_max", "gamma_max", False)]),
-            "schur.png": ("Delta_gamma and deepening over steps", [
-                ("delta_gamma", "Delta_gamma", False), ("deepening", "deepening", True)]),
-        }  # fmt: skip
-        lines = {
-            "gamma_alignment": [(0.9999, "0.9999")],
-            "kernel_residual": [(KERNEL_ALERT, f"{KERNEL_ALERT_LABEL} alert")],
-        }
-        for file, (caption, spec) in panels.items():
-            run_plots.plot_norm_metrics(
-                reads, norms, spec, alerts, out / file, title=f"{name}: {caption}", hlines=lines
-            )
+    else:
+        notes.append(
+            "sigma_min_over_steps.png, sigma_min_profile.png not written: the run logged no "
+            "residual point (dd/<point>/sigma_min_ratio; dd/profile_points 0)"
+        )
+    if not norms:
+        notes.append(
+            "alignment.png, gamma.png, schur.png not written: the run logged no norm layer"
+        )
+        return captions
+    kinds = declared_kinds(norms, reads)
+    rms_only = bool(kinds) and set(kinds.values()) == {"rmsnorm"}
+    no_kernel = "RMSNorms have no kernel, so no Schur complement is read" if rms_only else ""
+    panels = {
+        "alignment.png": ("gamma_alignment and kernel_residual over steps", [
+            ("gamma_alignment", "gamma_alignment", False),
+            ("kernel_residual", "kernel_residual", True)],
+            kernel_verdict(reads, norms, kinds)),
+        "gamma.png": ("gamma spread, min and max over steps", [
+            ("gamma_spread", "gamma_spread", False), ("gamma_min", "gamma_min", False),
+            ("gamma_max", "gamma_max", False)], ""),
+        "schur.png": ("Delta_gamma and deepening over steps", [
+            ("delta_gamma", "Delta_gamma", False), ("deepening", "deepening", True)], ""),
+    }  # fmt: skip
+    lines = {
+        "gamma_alignment": [(0.9999, "LayerNorm: 0.9999", "layernorm")],
+        "kernel_residual": [(KERNEL_ALERT, f"LayerNorm: {KERNEL_ALERT_LABEL} alert", "layernorm")],
+    }
+    empty = {
+        "delta_gamma": "no finite Delta_gamma in any read: "
+        + (no_kernel or "read for LayerNorms with a kernel, against the first read's baseline"),
+        "deepening": "no finite deepening in any read: "
+        + (no_kernel or "read for LayerNorms with a kernel, against the first read's baseline"),
+    }
+    for file, (caption, spec, verdict) in panels.items():
+        written = norm_plots.plot_norm_metrics(
+            reads, norms, spec, alerts, out / file, title=f"{name}: {caption}", hlines=lines,
+            kinds=kinds, empty=empty, verdict=verdict,
+        )  # fmt: skip
+        if written is None:
+            metrics = ", ".join(m for m, _, _ in spec)
+            why = f" ({no_kernel})" if no_kernel and file == "schur.png" else ""
+            notes.append(f"{file} not written: no finite {metrics} in any read{why}")
+        else:
             captions[file] = caption
     return captions
 

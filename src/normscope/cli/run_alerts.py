@@ -20,6 +20,7 @@ from normscope.monitors.sources import classify_collapses
 
 __all__ = [
     "declared_kinds",
+    "is_post_norm",
     "log_sources",
     "logged_key_alerts",
     "reevaluate_alerts",
@@ -63,6 +64,12 @@ def log_sources(reads: Reads) -> list[str]:
     return sorted(found)
 
 
+def is_post_norm(points: Sequence[str]) -> bool:
+    """A post-norm log: every point after ``p_0`` is a block's ``.output`` (the monitor reads
+    post-norm stacks at block outputs)."""
+    return len(points) > 1 and all(p.endswith(".output") for p in points[1:])
+
+
 def reevaluate_alerts(
     reads: Reads, norms: Sequence[str], points: Sequence[str]
 ) -> list[dict[str, Any]]:
@@ -70,7 +77,7 @@ def reevaluate_alerts(
 
     Post-norm logs (every point after ``p_0`` named ``<block>.output``) get no sigma_min rule,
     as in the monitor. Returns ``{"step", "title", "text", "level", "origin"}`` dicts."""
-    post_norm = len(points) > 1 and all(p.endswith(".output") for p in points[1:])
+    post_norm = is_post_norm(points)
     rules = default_dead_direction_rules(
         declared_kinds(norms, reads),
         None if post_norm else {p: None for p in points},  # depth order for the upstream rule
