@@ -10,7 +10,7 @@ Trainer's step.
 
 from __future__ import annotations
 
-import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from normscope.integrations.transformers import DeadDirectionCallback
+from normscope.runs import read_run
 from tests.integrations import loops
 
 STEPS, EVERY = 24, 4
@@ -36,7 +37,8 @@ class HFRun:
 
 def hf_run(tmp: Path, report_to: str) -> HFRun:
     """Train for ``STEPS`` steps with a read every ``EVERY``, logging to ``report_to``
-    (``"wandb"``, offline, or ``"tensorboard"``) under ``tmp``."""
+    (``"wandb"``, offline, or ``"tensorboard"``) under ``tmp`` (a W&B run goes where the
+    process's first W&B run went: ``HFRun.folder`` says where)."""
     callback = DeadDirectionCallback(
         every_n_steps=EVERY, max_rows_per_step=None, overhead_warn=None, alerts=("log",)
     )
@@ -56,26 +58,32 @@ def hf_run(tmp: Path, report_to: str) -> HFRun:
         dataloader_num_workers=0,
         seed=0,
     )
-    old = os.environ.get("WANDB_DIR")
-    os.environ["WANDB_DIR"] = str(tmp)  # the W&B integration's run folder: tmp/wandb/
-    try:
-        trainer = transformers.Trainer(
-            model=loops.gpt2(), args=args, train_dataset=loops.Samples(), callbacks=[callback]
-        )
-        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
-        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
-            warnings.simplefilter("ignore")  # the alert's warning, HF's hints
-            trainer.train()
-        if report_to == "wandb":
-            import wandb
+    trainer = transformers.Trainer(
+        model=loops.gpt2(), args=args, train_dataset=loops.Samples(), callbacks=[callback]
+    )
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+        warnings.simplefilter("ignore")  # the alert's warning, HF's hints
+        trainer.train()
+    folder = tmp / "hf"  # TensorBoard: output_dir/runs/<date>/events...
+    if report_to == "wandb":
+        import wandb
 
-            wandb.finish()
-    finally:
-        if old is None:
-            os.environ.pop("WANDB_DIR", None)
-        else:
-            os.environ["WANDB_DIR"] = old
-    folder = tmp / "wandb" if report_to == "wandb" else tmp / "hf"
+        # W&B's settings (its dir) are fixed by the first run of the process: ask the run
+        folder = Path(wandb.run.dir).parent
+        wandb.finish()
+        _wait_for_rows(folder, len(callback.history))
     return HFRun(
         folder, {step: logs for step, logs in callback.history}, callback.monitor.alerts_fired
     )
+
+
+def _wait_for_rows(folder: Path, reads: int, timeout_s: float = 30.0) -> None:
+    """W&B's ``finish()`` can return before its core process has flushed the last rows to the
+    offline file (tests/test_runs.py says the same): wait until every read is there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = read_run(folder).history
+        if sum("dd/sigma_min_ratio_min" in r for r in rows) >= reads:
+            return
+        time.sleep(0.25)

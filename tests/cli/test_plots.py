@@ -112,17 +112,25 @@ def test_alignment_verdict_names_a_lost_kernel_and_rmsnorms() -> None:
     norms[4]["kernel_residual"] = math.nan  # not read: neither kept nor lost
     verdict = plots.alignment_verdict(norms)
     assert verdict == "kernel LOST at layer.0.output; 4/6 LayerNorms keep it"
-    assert plots.alignment_verdict(rms_model()) == "4 RMSNorms: no kernel by design"
+    assert plots.alignment_verdict(rms_model()) == (
+        "4 RMSNorms: no kernel by design, no kernel alert"
+    )
     assert plots.alignment_verdict([]) == "no norm layer was read"
 
 
-def test_alignment_of_an_rmsnorm_model_is_drawn_with_its_thresholds_in_view(
+def test_alignment_of_an_rmsnorm_model_is_not_held_to_the_layernorm_kernel(
     tmp_path: Path,
 ) -> None:
+    """An RMSNorm has no kernel: its stems are drawn (orange) against the random level only, no
+    LayerNorm 0.9999 or 1e-4 line (red) and no red shading; with one LayerNorm beside them, the
+    LayerNorm lines come back, labelled as the LayerNorm's."""
     path = plots.plot_alignment(rms_model(), tmp_path / "rms.png", title="Llama")
     pixels = check_png(path, 9.0, 5.6)
     assert colour_share(pixels, ORANGE) > 0.003  # rmsnorm stems near 1 - 1/sqrt(d) and 0.15
-    assert colour_share(pixels, RED) > 0.0005  # the 1e-4 lines, below every stem, still shown
+    assert colour_share(pixels, RED) < 0.0002  # no LayerNorm threshold line
+    mixed = [*rms_model(), norm("model.ln_extra")]
+    pixels = png_pixels(plots.plot_alignment(mixed, tmp_path / "mixed.png", title="Mixed"))
+    assert colour_share(pixels, RED) > 0.0005  # the LayerNorm's 1e-4 and 0.9999 lines
 
 
 def test_spectrum_highlights_first_worst_and_final(tmp_path: Path) -> None:

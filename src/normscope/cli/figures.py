@@ -20,6 +20,7 @@ __all__ = [
     "ENTRY_ZERO",
     "KERNEL_ALERT",
     "KERNEL_ALERT_LABEL",
+    "LEGEND_KEY",
     "LEGEND_MAX",
     "LOG_FLOOR",
     "POST_NORM",
@@ -168,6 +169,7 @@ def ticks(ax: Any, labels: Sequence[str]) -> None:
 
 
 LEGEND_MAX = 12  # more lines than this: a depth colour scale and the worst few named instead
+LEGEND_KEY = "legend-key"  # the gid of an empty artist that only shows a style in a legend
 
 
 def depth_colours(n: int) -> list[Any]:

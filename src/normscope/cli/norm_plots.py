@@ -12,6 +12,7 @@ import numpy as np
 
 from normscope.cli.figures import (
     KERNEL_ALERT,
+    LEGEND_KEY,
     LEGEND_MAX,
     any_finite,
     depth_colours,
@@ -108,6 +109,7 @@ def plot_norm_metrics(
                     style,
                     color="0.3",
                     label=f"{kind} ({'solid' if style == '-' else 'dashed'})",
+                    gid=LEGEND_KEY,
                 )
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, ncol=2, loc="best")

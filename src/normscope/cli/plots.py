@@ -22,6 +22,7 @@ from normscope.cli.figures import (
     ENTRY_ZERO,
     KERNEL_ALERT,
     KERNEL_ALERT_LABEL,
+    LEGEND_KEY,
     POST_NORM,
     finite,
     log_floor,
@@ -262,7 +263,7 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
         ax.grid(alpha=0.3, axis="y")
     for kind, colour in KIND_COLOUR.items():
         if any(n.get("kind") == kind for n in norms):
-            top.scatter([], [], color=colour, s=22, label=kind)
+            top.scatter([], [], color=colour, s=22, label=kind, gid=LEGEND_KEY)
     for ax in (top, bottom):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
