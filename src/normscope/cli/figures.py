@@ -197,14 +197,17 @@ def depth_scale(fig: Any, ax: Any, names: Sequence[str], label: str = "depth") -
     return bar
 
 
-def name_worst(ax: Any, points: Sequence[tuple[float, float, str]], *, below: bool = False) -> None:
+def name_worst(ax: Any, points: Sequence[tuple[float, float, str]]) -> None:
     """Write each ``(x, y, name)`` next to its point with a leader line: the few worst lines of
-    a figure with too many for a legend. ``below``: the worst are the highest values, so the
-    names go under them (and stay clear of the title)."""
-    sign = -1 if below else 1
+    a figure with too many for a legend. A name goes below a point in the upper half of the
+    axes and above one in the lower half, so that it stays inside the axes (clear of the
+    title and of the next panel)."""
+    ax.autoscale_view()
+    to_axes = ax.transData + ax.transAxes.inverted()
     for i, (x, y, name) in enumerate(points):
-        ax.annotate(name, (x, y), xytext=(-40, sign * (12 + 12 * i)), textcoords="offset points",
-                    fontsize=7, zorder=6, va="center", ha="right",
+        up = to_axes.transform((x, y))[1] < 0.5
+        ax.annotate(name, (x, y), xytext=(-40, (1 if up else -1) * (12 + 12 * i)),
+                    textcoords="offset points", fontsize=7, zorder=6, va="center", ha="right",
                     bbox={"facecolor": "white", "alpha": 0.85, "lw": 0, "pad": 1},
                     arrowprops={"arrowstyle": "-", "color": "0.3", "lw": 0.6})  # fmt: skip
 

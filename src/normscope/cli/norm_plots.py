@@ -86,11 +86,6 @@ def plot_norm_metrics(
             ends.append((float(values[i]), float(steps[i]), float(shown[i]), labels[layer]))
         if here and not many:
             named = True
-        if many and ends:
-            ends.sort(reverse=WORST.get(metric) != "min")
-            name_worst(
-                ax, [(x, y, lab) for _, x, y, lab in ends[:3]], below=WORST.get(metric) != "min"
-            )
         drawn_kinds = {kinds.get(layer) for layer in here}
         for y, lab, kind in (hlines or {}).get(metric, ()):
             if here and (kind is None or kind in drawn_kinds):
@@ -99,6 +94,9 @@ def plot_norm_metrics(
             say_empty(ax, (empty or {}).get(metric, f"no finite {metric} in any read"))
         mark_alerts(ax, alerts, label=ax is axes[0])
         step_span(ax, reads)
+        if many and ends:  # after every line that moves the limits
+            ends.sort(reverse=WORST.get(metric) != "min")
+            name_worst(ax, [(x, y, lab) for _, x, y, lab in ends[:3]])
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
         if "rmsnorm" in drawn_kinds and len(drawn_kinds - {None}) > 1:

@@ -2,11 +2,13 @@
 training steps, alerts marked, with ``report.md``, ``report.html`` and ``report.json``.
 
 The run is read by :func:`normscope.runs.read_run` (Lightning CSVLogger folders, W&B run
-folders or files -- offline runs too --, TensorBoard event folders). Rows logged at one step
-are merged into one read. A W&B run carries the alerts the monitor sent (``run.alert``); CSV
-and TensorBoard logs carry none, so there the monitor's default rules
-(:class:`~normscope.alerts.SigmaMinRatioRule`, :class:`~normscope.alerts.KernelLossRule`) are
-re-evaluated over the logged reads, in step order, and the report says so.
+folders or files -- offline runs too --, TensorBoard event folders; a Hugging Face
+``Trainer``'s ``train/dd/...`` keys at its global step). Rows logged at one step are merged
+into one read. The alerts are the run's own (W&B alert records, or the Hugging Face callback's
+``dd/alert/<rule>`` keys), else the monitor's default rules re-evaluated over the reads
+(:mod:`normscope.cli.run_alerts`); a note says which. The figures are drawn by
+:mod:`normscope.cli.run_plots` and :mod:`normscope.cli.norm_plots`; one with nothing to draw is
+not written, and a note says why.
 
 Two things a log may not hold are inferred, and the report says that too: the depth order of
 the residual points when the log has no ``dd/<point>/depth`` (``p_0`` is the point whose ratio

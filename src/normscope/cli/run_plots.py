@@ -168,8 +168,6 @@ def plot_sigma_over_steps(
         lows.append((float(values[i]), float(steps[i]), lab))
     if many:
         depth_scale(fig, ax, [lab for _, lab in later], "residual point")
-        worst = sorted(lows)[:3]
-        name_worst(ax, [(x, float(shown(np.array([v]))[0]), lab) for v, x, lab in worst])
     run_keys = [("dd/sigma_min_step_min", ":", "sigma_min_step_min")]
     if cumulative:
         run_keys.insert(0, ("dd/sigma_min_ratio_min", "-", "sigma_min_ratio_min"))
@@ -183,6 +181,9 @@ def plot_sigma_over_steps(
                    label=f"alert threshold {ALERT_RATIO}")  # fmt: skip
     mark_alerts(ax, alerts)
     step_span(ax, reads)
+    if many:  # after every line that moves the limits
+        worst = sorted(lows)[:3]
+        name_worst(ax, [(x, float(shown(np.array([v]))[0]), lab) for v, x, lab in worst])
     verdict = sigma_verdict(reads, alerts)
     if post_norm:
         verdict = f"{verdict.replace(f', threshold {ALERT_RATIO}', '')}; {POST_NORM}"
