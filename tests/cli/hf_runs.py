@@ -70,6 +70,7 @@ def hf_run(tmp: Path, report_to: str) -> HFRun:
         import wandb
 
         # W&B's settings (its dir) are fixed by the first run of the process: ask the run
+        assert wandb.run is not None, "the Trainer's W&B integration left no run open"
         folder = Path(wandb.run.dir).parent
         wandb.finish()
         _wait_for_rows(folder, len(callback.history))
