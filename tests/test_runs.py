@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from normscope.runs import (
     RunReadError,
@@ -224,3 +225,36 @@ def test_prefix_is_dropped_from_normscope_keys_only():
     assert run.keys() == ["dd/a", "dd[fast].code/b", "sm/c", "train/dda/x", "train/loss"]
     plain = RunLog("csv", Path("."), [{"dd/a": 1.0, "step": 1.0}])
     assert plain.key_prefix == "" and plain.keys() == ["dd/a"]
+
+
+def test_plain_loop_wandb_log_is_read_at_its_steps(tmp_path, wandb_offline):
+    """The plain loop's ``tracker.step(batch, log=wandb.log)`` (the loop passes ``step=``, so
+    W&B's ``_step`` is the loop's step): the reads come back at the steps they were logged at."""
+    import wandb
+
+    from normscope import DeadDirectionTracker
+    from tests.integrations import loops
+
+    run = wandb.init(project="normscope-test", dir=str(tmp_path))
+    model = loops.gpt2(cancel=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=loops.LR)
+    tracker = DeadDirectionTracker(model, max_rows_per_step=None)
+    batch = next(iter(loops.loader()))
+    read_at = []
+
+    def log(metrics, step):  # wandb.log, noting the steps it was given
+        read_at.append(step)
+        wandb.log(metrics, step=step)
+
+    for _ in range(7):
+        with tracker.step(batch, log=log, every_n_steps=2, alerts=(), overhead_warn=None,
+                          verbose=False):  # fmt: skip
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    folder = Path(run.dir).parent
+    run.finish()
+    _wait_for_rows(folder, len(read_at))
+    steps, values = read_run(folder).series("dd/sigma_min_ratio_min")
+    assert read_at and steps.tolist() == [float(s) for s in read_at]
+    assert np.isfinite(values).all() and read_run(folder).key_prefix == ""
