@@ -19,8 +19,9 @@ if str(ROOT) not in sys.path:
 from examples.data import ByteDataset  # noqa: E402
 from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
-from normscope import DeadDirectionMonitor  # noqa: E402
-from normscope import Monitor  # noqa: E402
+from normscope import (
+    Monitor,  # noqa: E402
+)
 
 
 @dataclass

@@ -49,13 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from _common import machine, machine_line, markdown_table, median_time, write_outputs  # noqa: E402
 from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
+from normscope.families.dead_direction import DeadDirectionTracker  # noqa: E402
 from normscope.functional import (  # noqa: E402
     kernel_read,
     schur_quotient,
     sigma_min,
     symmetric_eigh,
 )
-from normscope.families.dead_direction import DeadDirectionTracker  # noqa: E402
 
 CPU = torch.device("cpu")
 PRIMITIVES = (

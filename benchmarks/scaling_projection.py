@@ -57,12 +57,13 @@ from _common import (  # noqa: E402
 )
 from read_cost import fit_power, primitive_costs, test_matrix  # noqa: E402
 
+from normscope.families.budget import plan_budget as _plan_budget  # noqa: E402
+from normscope.families.budget import tap_cost as _tap_cost
 from normscope.functional import (  # noqa: E402
     StreamingCovariance,
     kernel_read,
     symmetric_eigh,
 )
-from normscope.families.budget import plan_budget as _plan_budget, tap_cost as _tap_cost  # noqa: E402
 from normscope.taps.residual import ResidualPoint  # noqa: E402
 
 CPU = torch.device("cpu")

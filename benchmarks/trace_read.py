@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from examples.nanogpt import GPT, GPTConfig  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 import normscope  # noqa: E402
-from examples.nanogpt import GPT, GPTConfig  # noqa: E402
 from normscope import DeadDirectionMonitor  # noqa: E402
 
 PACKAGE = Path(normscope.__file__).resolve().parent

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from normscope.runs import (
     RunReadError,
@@ -176,3 +177,87 @@ def test_a_wandb_save_folder_with_its_latest_run_link(tmp_path, wandb_offline):
     assert read_run(save_dir).path.resolve() == read_run(run_dir).path.resolve()
     # the folder a user hands to WandbLogger(save_dir=...), two levels above the file
     assert read_run(save_dir.parent).path.resolve() == read_run(run_dir).path.resolve()
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    """One real Hugging Face ``Trainer`` run logged to W&B (offline), one to TensorBoard."""
+    from tests.cli.hf_runs import hf_run
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        return {
+            kind: hf_run(tmp_path_factory.mktemp(f"hf_{kind}"), kind)
+            for kind in ("wandb", "tensorboard")
+        }
+
+
+@pytest.mark.parametrize("kind", ["wandb", "tensorboard"])
+def test_hugging_face_trainer_runs_read_at_the_global_step(hf_runs, kind):
+    """The Trainer logs ``train/dd/...`` (W&B and TensorBoard) and, on W&B, the step as
+    ``train/global_step`` between its own loss rows: the keys come back as ``dd/...`` at the
+    Trainer's global step, the Trainer's own keys untouched."""
+    hf = hf_runs[kind]
+    run = read_run(hf.folder)
+    assert run.source == kind and run.key_prefix == "train/"
+    assert sorted(hf.reads) == [2, 4, 8, 12, 16, 20, 24]  # the baseline window is step 1
+    steps, values = run.series("dd/sigma_min_ratio_min")
+    assert steps.tolist() == sorted(hf.reads)
+    want = [hf.reads[s]["dd/sigma_min_ratio_min"] for s in sorted(hf.reads)]
+    # W&B keeps the double; TensorBoard stores float32
+    assert values.tolist() == pytest.approx(want, rel=0 if kind == "wandb" else 1e-6)
+    assert not any(k.startswith("train/dd") for k in run.keys())
+    assert "train/loss" in run.keys() and "dd/alert/sigma_min_collapse" in run.keys()
+    if kind == "wandb":  # what the reader must not use: W&B's row counter
+        rows = [r for r in run.history if "dd/sigma_min_ratio_min" in r]
+        assert [r["_step"] for r in rows] != steps.tolist()
+        assert [r["train/global_step"] for r in rows] == steps.tolist()
+
+
+def test_prefix_is_dropped_from_normscope_keys_only():
+    from normscope.runs import RunLog
+
+    rows = [{"train/dd/a": 1.0, "train/dd[fast].code/b": 2.0, "train/sm/c": 3.0,
+             "train/loss": 4.0, "train/dda/x": 5.0, "step": 1.0}]  # fmt: skip
+    run = RunLog("tensorboard", Path("."), rows)
+    assert run.key_prefix == "train/"
+    assert run.keys() == ["dd/a", "dd[fast].code/b", "sm/c", "train/dda/x", "train/loss"]
+    plain = RunLog("csv", Path("."), [{"dd/a": 1.0, "step": 1.0}])
+    assert plain.key_prefix == "" and plain.keys() == ["dd/a"]
+
+
+def test_plain_loop_wandb_log_is_read_at_its_steps(tmp_path, wandb_offline):
+    """A plain loop's ``Monitor.dead_direction(model, log=wandb.log)`` (the loop passes ``step=``, so
+    W&B's ``_step`` is the loop's step): the reads come back at the steps they were logged at."""
+    import wandb
+
+    from normscope import Monitor
+    from tests.integrations import loops
+
+    run = wandb.init(project="normscope-test", dir=str(tmp_path))
+    model = loops.gpt2(cancel=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=loops.LR)
+    batch = next(iter(loops.loader()))
+    read_at = []
+
+    def log(metrics, step):  # wandb.log, noting the steps it was given
+        read_at.append(step)
+        wandb.log(metrics, step=step)
+
+    monitor = Monitor.dead_direction(
+        model, max_rows_per_step=None, log=log, every_n_steps=2, alerts=(), overhead_warn=None,
+        verbose=False,
+    )  # fmt: skip
+    for _ in range(7):
+        with monitor.step(batch):
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    monitor.close()
+    folder = Path(run.dir).parent
+    run.finish()
+    _wait_for_rows(folder, len(read_at))
+    steps, values = read_run(folder).series("dd/sigma_min_ratio_min")
+    assert read_at and steps.tolist() == [float(s) for s in read_at]
+    assert np.isfinite(values).all() and read_run(folder).key_prefix == ""

@@ -1,6 +1,13 @@
 """Read a finished run's logged metrics back: a Lightning CSV logger folder, a W&B offline run,
 or TensorBoard event files, into one :class:`RunLog`.
 
+Runs from every loop normscope runs in read the same: the Lightning and Fabric loggers, a plain
+loop's ``wandb.log``, and the Hugging Face ``Trainer``, whose W&B and TensorBoard integrations
+log every key under ``train/`` (``train/dd/...``) and, on W&B, the step as
+``train/global_step``. normscope's keys are read without that prefix (``RunLog.key_prefix``
+says it was there) and every row's ``"step"`` is the trainer's global step, never W&B's own
+``_step`` counter.
+
 The W&B reader parses the run's local transaction file (``run-<id>.wandb``) itself: the file is a
 LevelDB-log-format stream (32 KiB blocks of CRC-checked chunks) of protobuf ``Record`` messages,
 which ``wandb.proto.wandb_internal_pb2`` describes. Nothing is unpickled and no network is used.
@@ -46,7 +53,13 @@ _BLOCK = 32768
 _CHUNK_HEADER = 7  # crc32 (4) + length (2) + type (1)
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 _WANDB_HEADER = struct.pack("<4sHB", b":W&B", 0xBEE1, 0)
-_STEP_KEYS = ("trainer/global_step", "step", "_step")
+# The trainer's global step, as each writer logs it: Lightning's WandbLogger, the Hugging Face
+# Trainer's W&B integration, a user's own ``step`` key; W&B's ``_step`` counts rows instead.
+_STEP_KEYS = ("trainer/global_step", "train/global_step", "step", "_step")
+# A normscope key (``dd/``, ``sm/``, ``dd[name]/``, ``dd.<source>/``...) under the Hugging Face
+# Trainer's ``train/`` prefix (its ``rewrite_logs``, for W&B and TensorBoard alike).
+_HF_PREFIX = "train/"
+_HF_FAMILY_KEY = re.compile(r"^train/(?:dd|sm)(?:\[[^\[\]/\s]+\])?(?:\.[^/]+)?/")
 _AT_STEP = re.compile(r"\bat step (\d+)\b")
 
 
@@ -69,6 +82,8 @@ class RunLog:
             (:func:`wandb_records`); empty for an intact file.
         summary: a W&B run's summary as its summary records left it (numbers, strings; media
             and nested values as W&B's JSON decodes them); empty for CSV and TensorBoard.
+        key_prefix: ``"train/"`` when normscope's keys were logged under the Hugging Face
+            Trainer's prefix (``train/dd/...``) and are read without it; else ``""``.
     """
 
     source: str
@@ -77,6 +92,10 @@ class RunLog:
     alerts: list[dict[str, object]] = field(default_factory=list)
     skipped: list[SkippedBytes] = field(default_factory=list)
     summary: dict[str, object] = field(default_factory=dict)
+    key_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        self.key_prefix = self.key_prefix or _drop_trainer_prefix(self.history, self.summary)
 
     def keys(self) -> list[str]:
         """Every metric key logged at least once, sorted (``"step"`` excluded)."""
@@ -88,6 +107,27 @@ class RunLog:
         steps = np.array([row["step"] for row in rows], dtype=np.float64)
         values = np.array([row[key] for row in rows], dtype=np.float64)
         return steps, values
+
+
+def _drop_trainer_prefix(history: list[dict[str, float]], summary: dict[str, object]) -> str:
+    """Rename ``train/dd/...`` (any normscope family under the Hugging Face Trainer's
+    ``train/``) to ``dd/...`` in place, in every row and the summary, unless a row already holds
+    the bare key; returns the prefix found (``"train/"``) or ``""``.
+
+    Example::
+
+        >>> rows = [{"train/dd/x": 1.0, "train/loss": 2.0, "step": 4.0}]
+        >>> _drop_trainer_prefix(rows, {}), rows
+        ('train/', [{'train/loss': 2.0, 'step': 4.0, 'dd/x': 1.0}])
+    """
+    found = ""
+    for table in (*history, summary):
+        for key in [k for k in table if _HF_FAMILY_KEY.match(k)]:
+            bare = key[len(_HF_PREFIX) :]
+            if bare not in table:
+                table[bare] = table.pop(key)  # type: ignore[assignment]
+                found = _HF_PREFIX
+    return found
 
 
 def read_run(path: str | Path) -> RunLog:
@@ -297,8 +337,10 @@ def _history_value(item: object) -> float | None:
 def read_wandb_run(path: str | Path) -> RunLog:
     """A W&B run (offline or synced) from its local ``run-<id>.wandb`` transaction file.
 
-    Rows are the run's history records with their scalar items; ``"step"`` is Lightning's
-    ``trainer/global_step`` when logged, else W&B's ``_step``. An alert carries the step its text
+    Rows are the run's history records with their scalar items; ``"step"`` is the trainer's
+    global step when the row logs it (Lightning's ``trainer/global_step``, the Hugging Face
+    Trainer's ``train/global_step``, a ``step`` key), else W&B's ``_step`` (a plain loop's
+    ``wandb.log(metrics, step=step)`` sets it to the step). An alert carries the step its text
     names (normscope's alerts say "at step N"), else that of the last history row written before
     it (W&B writes a row when the next step begins, so that one can be a step early)."""
     file = _wandb_file(Path(path))

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from normscope.cli import plots, run_plots
-from normscope.cli.plots import DPI
+from normscope.cli import figures, norm_plots, plots, run_plots, spectrum_plots
+from normscope.cli.figures import DPI
 from tests.cli.support import assert_drawn, colour_share, png_pixels, png_size
 
 BLUE, ORANGE, PURPLE = (31, 119, 180), (255, 127, 14), (148, 103, 189)
@@ -69,11 +69,11 @@ def check_png(path: Path, width: float, height: float) -> np.ndarray:
 
 def test_a_blank_figure_fails_the_not_blank_check(tmp_path: Path) -> None:
     """The check has teeth: an axes frame with a title and ticks, nothing plotted, fails it."""
-    fig = plots.new_figure()
+    fig = figures.new_figure()
     ax = fig.add_subplot()
     ax.set_title("nothing here")
     ax.set_xlabel("step")
-    plots.save(fig, tmp_path / "blank.png")
+    figures.save(fig, tmp_path / "blank.png")
     with pytest.raises(AssertionError, match="of the pixels are drawn"):
         assert_drawn(tmp_path / "blank.png")
 
@@ -99,7 +99,7 @@ def test_alignment_shows_the_distance_from_exact_and_the_dead_channels(tmp_path:
     assert colour_share(pixels, BLUE) > 5 * colour_share(frame, BLUE) > 0
     assert colour_share(pixels, RED) > colour_share(frame, RED) + 0.0002
     # 1 - gamma_alignment of exactly 0 (the dead layer's 1.0) is drawn at the floor, not dropped
-    assert plots.log_floor(np.array([0.0, 2e-16]))[1].tolist() == [True, False]
+    assert figures.log_floor(np.array([0.0, 2e-16]))[1].tolist() == [True, False]
     assert plots.alignment_verdict(norms) == (
         "6/6 LayerNorms without dead channels keep the exact kernel (kernel_residual <= 1e-15); "
         "dead channels: 3 in layer.2.output"
@@ -112,51 +112,63 @@ def test_alignment_verdict_names_a_lost_kernel_and_rmsnorms() -> None:
     norms[4]["kernel_residual"] = math.nan  # not read: neither kept nor lost
     verdict = plots.alignment_verdict(norms)
     assert verdict == "kernel LOST at layer.0.output; 4/6 LayerNorms keep it"
-    assert plots.alignment_verdict(rms_model()) == "4 RMSNorms: no kernel by design"
+    assert plots.alignment_verdict(rms_model()) == (
+        "4 RMSNorms: no kernel by design, no kernel alert"
+    )
     assert plots.alignment_verdict([]) == "no norm layer was read"
 
 
-def test_alignment_of_an_rmsnorm_model_is_drawn_with_its_thresholds_in_view(
+def test_alignment_of_an_rmsnorm_model_is_not_held_to_the_layernorm_kernel(
     tmp_path: Path,
 ) -> None:
+    """An RMSNorm has no kernel: its stems are drawn (orange) against the random level only, no
+    LayerNorm 0.9999 or 1e-4 line (red) and no red shading; with one LayerNorm beside them, the
+    LayerNorm lines come back, labelled as the LayerNorm's."""
     path = plots.plot_alignment(rms_model(), tmp_path / "rms.png", title="Llama")
     pixels = check_png(path, 9.0, 5.6)
     assert colour_share(pixels, ORANGE) > 0.003  # rmsnorm stems near 1 - 1/sqrt(d) and 0.15
-    assert colour_share(pixels, RED) > 0.0005  # the 1e-4 lines, below every stem, still shown
+    assert colour_share(pixels, RED) < 0.0002  # no LayerNorm threshold line
+    mixed = [*rms_model(), norm("model.ln_extra")]
+    pixels = png_pixels(plots.plot_alignment(mixed, tmp_path / "mixed.png", title="Mixed"))
+    assert colour_share(pixels, RED) > 0.0005  # the LayerNorm's 1e-4 and 0.9999 lines
 
 
 def test_spectrum_highlights_first_worst_and_final(tmp_path: Path) -> None:
     norms = minilm_like()
     # worst in between: every inner layer has one null eigenvalue; layer.1.attention (index 3)
     # has the lowest live one, 4e-5
-    assert plots.spectrum_highlights(norms) == {0: "first", 6: "final", 3: "worst"}
-    pixels = check_png(plots.plot_spectrum(norms, tmp_path / "s.png", title="Bert"), 9.0, 4.8)
+    assert spectrum_plots.spectrum_highlights(norms) == {0: "first", 6: "final", 3: "worst"}
+    pixels = check_png(
+        spectrum_plots.plot_spectrum(norms, tmp_path / "s.png", title="Bert"), 9.0, 4.8
+    )
     for colour in (BLUE, ORANGE, PURPLE, LIGHT):  # first, worst, final, the four others grey
         assert colour_share(pixels, colour) > 0.0005, colour
     # the grey is the four other layers' lines: with only the three highlighted, none is grey
     trio = [norms[0], norms[3], norms[6]]
-    assert plots.spectrum_highlights(trio) == {0: "first", 2: "final", 1: "worst"}
-    frame = png_pixels(plots.plot_spectrum(trio, tmp_path / "f.png", title="Bert"))
+    assert spectrum_plots.spectrum_highlights(trio) == {0: "first", 2: "final", 1: "worst"}
+    frame = png_pixels(spectrum_plots.plot_spectrum(trio, tmp_path / "f.png", title="Bert"))
     others = colour_share(pixels, LIGHT) - colour_share(frame, LIGHT)  # text edges aside
     assert others * pixels.shape[0] * pixels.shape[1] > 4 * 200  # four lines across the plot
-    assert plots.spectrum_verdict(norms) == (
+    assert spectrum_plots.spectrum_verdict(norms) == (
         "6 layers: 1 null eigenvalue; layer.2.output: 3 null (3 dead channels); "
         "lowest live eigenvalue 4e-05 (layer.1.attention.output)"
     )
     # with more null eigenvalues, an inner layer is the worst however high its live floor
     norms[2]["null_dim"] = 2.0
-    assert plots.spectrum_highlights(norms)[2] == "worst"
+    assert spectrum_plots.spectrum_highlights(norms)[2] == "worst"
 
 
 def test_spectrum_without_null_or_without_rows(tmp_path: Path) -> None:
-    assert plots.spectrum_verdict(rms_model()) == (
+    assert spectrum_plots.spectrum_verdict(rms_model()) == (
         "4 layers: 0 null eigenvalues; lowest live eigenvalue 8e-04 (0)"
     )
-    check_png(plots.plot_spectrum(rms_model(), tmp_path / "rms.png", title="Llama"), 9.0, 4.8)
+    check_png(
+        spectrum_plots.plot_spectrum(rms_model(), tmp_path / "rms.png", title="Llama"), 9.0, 4.8
+    )
     empty = [norm("a.ln", bottom_eigenvalues=[]), norm("b.ln", bottom_eigenvalues=[])]
-    assert plots.spectrum_highlights(empty) == {}
-    assert plots.spectrum_verdict(empty) == "no spectrum: too few rows"
-    path = plots.plot_spectrum(empty, tmp_path / "none.png", title="tiny")
+    assert spectrum_plots.spectrum_highlights(empty) == {}
+    assert spectrum_plots.spectrum_verdict(empty) == "no spectrum: too few rows"
+    path = spectrum_plots.plot_spectrum(empty, tmp_path / "none.png", title="tiny")
     assert png_size(path) == (990, 528)
 
 
@@ -245,7 +257,7 @@ def test_run_profile_and_norm_metrics_render(tmp_path: Path) -> None:
     assert colour_share(check_png(path, 9.0, 4.8), RED) > 0.0005  # the read at the alert
     for step, values in reads.items():
         values.update({"dd/ln/gamma_alignment": 1.0, "dd/ln/kernel_residual": 1e-15 * step})
-    path = run_plots.plot_norm_metrics(
+    path = norm_plots.plot_norm_metrics(
         reads, ["ln"], [("gamma_alignment", "a", False), ("kernel_residual", "k", True)],
         [{"step": 30.0}], tmp_path / "n.png", title="r",
     )  # fmt: skip
@@ -254,13 +266,13 @@ def test_run_profile_and_norm_metrics_render(tmp_path: Path) -> None:
 
 def test_titles_wrap_and_tick_labels_stay_short() -> None:
     verdict = plots.alignment_verdict(minilm_like()) + "; " + "x" * 40
-    lines = plots.titled("Bert", verdict).split("\n")
+    lines = figures.titled("Bert", verdict).split("\n")
     assert lines[0] == "Bert" and len(lines) == 3 and all(len(line) <= 90 for line in lines)
     assert "; ".join(line.rstrip(";") for line in lines[1:]) == verdict
     names = [n["name"] for n in minilm_like()]
-    short = plots.short_names(names)
+    short = figures.short_names(names)
     assert short[:3] == ["embeddings", "layer.0.attention.output", "layer.0.output"]
     assert len(set(short)) == len(names) and max(map(len, short)) <= 24
     # short labels are left alone: h.0.ln_1 keeps its h
-    assert plots.short_names(["m.h.0.ln_1", "m.h.1.ln_1", "m.ln_f"]) == ["h.0.ln_1", "h.1.ln_1",
+    assert figures.short_names(["m.h.0.ln_1", "m.h.1.ln_1", "m.ln_f"]) == ["h.0.ln_1", "h.1.ln_1",
                                                                            "ln_f"]  # fmt: skip

@@ -23,7 +23,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from normscope import DeadDirectionMonitor
-from normscope.cli.report import depth_order, reevaluate_alerts
+from normscope.cli.report import depth_order
+from normscope.cli.run_alerts import reevaluate_alerts
 from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
 from tests.cli.support import assert_drawn, load_json, png_size, run_cli
 
@@ -143,6 +144,14 @@ def test_healthy_run_has_no_alert(tmp_path: Path) -> None:
     assert code == 0, stderr
     assert load_json(tmp_path / "out" / "report.json")["alerts"] == []
     assert "no alert" in stdout
+    # no alert column, and no empty cell in the reads table (it had an unnamed last column)
+    md = (tmp_path / "out" / "report.md").read_text().splitlines()
+    table = [line for line in md if line.startswith("| ") and line[2:3].isdigit()]
+    assert table and all("|  |" not in line and " - |" not in line for line in table)
+    assert (
+        "| step | sigma_min_ratio_min | sigma_min_step_min | worst point | "
+        "gamma_alignment_min |" in md
+    )
 
 
 def test_bad_run_folders_exit_2(tmp_path: Path) -> None:
@@ -236,3 +245,43 @@ def test_report_of_a_run_with_sources_shows_them_and_the_classification(tmp_path
     assert any("under source 'code' only" in t for t in texts), texts
     assert not any(t.startswith("sigma_min_collapse") for t in texts)  # pooled stays healthy
     assert "Per source:" in stdout and "## Per source" in (out / "report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory: pytest.TempPathFactory):
+    """Real Hugging Face ``Trainer`` runs (tiny GPT-2, cancelling branch) to W&B and TensorBoard."""
+    from tests.cli.hf_runs import hf_run
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        return {
+            kind: hf_run(tmp_path_factory.mktemp(f"hf_{kind}"), kind)
+            for kind in ("wandb", "tensorboard")
+        }
+
+
+@pytest.mark.parametrize("kind", ["wandb", "tensorboard"])
+def test_hugging_face_trainer_run_is_reported_at_its_global_steps(
+    hf_runs, kind: str, tmp_path: Path
+) -> None:
+    """``train/dd/...`` keys, the Trainer's global step (not W&B's ``_step``), and the alert the
+    callback logged as ``dd/alert/sigma_min_collapse`` at its first read."""
+    hf = hf_runs[kind]
+    code, stdout, stderr = run_cli("report", hf.folder, "--out", tmp_path)
+    assert code == 0, stderr
+    result = load_json(tmp_path / "report.json")
+    assert result["run"]["source"] == kind
+    assert [float(r["step"]) for r in result["reads"]] == sorted(hf.reads)
+    fired = hf.alerts
+    assert fired and [a["step"] for a in result["alerts"]] == [float(a.step) for a in fired]
+    alert = result["alerts"][0]
+    assert alert["origin"] == "logged" and alert["title"] == f"normscope: {fired[0].rule}"
+    assert f" at {fired[0].point} at step {fired[0].step}" in alert["text"]
+    assert any("Hugging Face Trainer run" in n for n in result["notes"])
+    assert result["points"][0] == "transformer.h.0.ln_1" and result["norms"]
+    check_files(tmp_path, result)
+    md = (tmp_path / "report.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| step")]
+    assert table == ["| step | sigma_min_ratio_min | sigma_min_step_min | worst point | "
+                     "gamma_alignment_min | alert |"]  # fmt: skip

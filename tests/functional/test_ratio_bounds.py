@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from normscope.alerts import SigmaMinRatioRule
-from normscope.functional.profile import MIN_ROWS_PER_DIM, ratio_bounds, sigma_min_profile
 from normscope.alerts.rules import below_floor
+from normscope.functional.profile import MIN_ROWS_PER_DIM, ratio_bounds, sigma_min_profile
 
 
 def test_the_interval_formula_and_its_edges():

@@ -122,6 +122,7 @@ def test_fabric_sharded_strategies_are_refused():
     from types import SimpleNamespace
 
     from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy
+
     from normscope.adapters.fabric import check_fabric_strategy
 
     for cls in (FSDPStrategy, DeepSpeedStrategy):

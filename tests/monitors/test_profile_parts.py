@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from normscope.functional.profile import sigma_min_profile
 from normscope.families.dead_direction import point_sigma, profile_from_parts
+from normscope.functional.profile import sigma_min_profile
 
 
 def _moment(d: int, scale: float, seed: int) -> torch.Tensor:

@@ -861,7 +861,7 @@ def default_dead_direction_rules(
     kernel_rule: KernelLossRule | None = None,
     kernel: bool = True,
 ) -> list[Any]:
-    """The default rules of :class:`~normscope.callbacks.DeadDirectionMonitor`, in the order
+    """The default rules of :class:`~normscope.adapters.lightning.DeadDirectionMonitor`, in the order
     they are evaluated: a :class:`SigmaMinRatioRule` (``SigmaMinRatioRule()`` unless
     ``sigma_rule``), a :class:`KernelLossRule` (``KernelLossRule()`` unless ``kernel_rule``;
     none with ``kernel=False``), then with ``sources`` a :class:`SourceCollapseRule` on the

@@ -7,16 +7,7 @@ have, ``normscope report RUN_DIR`` turns a finished run's logged metrics into pl
     python -m normscope scan ...                             # the same
 
 Needs the ``cli`` extra (``pip install normscope[cli]``: matplotlib, transformers,
-safetensors). The entry point is :func:`normscope.cli.main.main`.
+safetensors, tqdm). The entry point is :func:`normscope.cli.main.main`. The package imports
+none of its modules: each is imported by its path (``normscope.cli.main``), so that no module
+of the command line imports another through the package.
 """
-
-from __future__ import annotations
-
-__all__ = ["main"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line (see :mod:`normscope.cli.main`)."""
-    from normscope.cli.main import main as _main
-
-    return _main(argv)

@@ -23,13 +23,13 @@ from torch import nn
 
 from normscope.cli.data import byte_tokenizer
 from normscope.cli.errors import CLIError
-from normscope.cli.loading import LoadedModel, max_positions, vocab_size
+from normscope.cli.loaded import LoadedModel, max_positions, vocab_size
 
 __all__ = ["load_factory", "reset_twin"]
 
 
 def load_factory(spec: str) -> LoadedModel:
-    """Import ``package.module:attr`` and build the model (see :func:`load_model`)."""
+    """Import ``package.module:attr`` and build the model (see :func:`normscope.cli.loading.load_model`)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise CLIError(f"{spec}: expected package.module:factory")

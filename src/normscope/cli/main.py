@@ -12,21 +12,24 @@ import importlib
 import sys
 
 from normscope import __version__
+from normscope.cli import report, scan
 from normscope.cli.errors import EXIT_USAGE, CLIError
+from normscope.cli.options import report_arguments, scan_arguments
 
 __all__ = ["build_parser", "main"]
 
-# What each command imports beyond the runtime dependencies: the `cli` extra.
+# What each command imports beyond the runtime dependencies: the `cli` extra. The command
+# modules import none of them when they load (matplotlib when a figure is drawn, transformers
+# when a model directory is read, tqdm when a scan runs), so that this check speaks first.
 _NEEDS = {
-    "scan": ("matplotlib", "transformers", "safetensors"),
+    "scan": ("matplotlib", "transformers", "safetensors", "tqdm"),
     "report": ("matplotlib",),
 }
+_RUN = {"scan": scan.run, "report": report.run}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``normscope`` parser with its ``scan`` and ``report`` sub-commands."""
-    from normscope.cli.options import report_arguments, scan_arguments
-
     parser = argparse.ArgumentParser(
         prog="normscope",
         description="Read the geometry of a transformer's norm layers and residual stream: "
@@ -81,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     try:
         _check_extra(args.command)
-        if args.command == "scan":
-            from normscope.cli.scan import run
-        else:
-            from normscope.cli.report import run
-        return run(args)
+        return _RUN[args.command](args)
     except CLIError as err:
         print(f"normscope: error: {err}", file=sys.stderr)
         return EXIT_USAGE

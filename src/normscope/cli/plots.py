@@ -17,36 +17,32 @@ from typing import Any
 
 import numpy as np
 
-from normscope.cli.figures import ALERT_RATIO as ALERT_RATIO
-from normscope.cli.figures import DPI as DPI
-from normscope.cli.figures import KERNEL_ALERT as KERNEL_ALERT
 from normscope.cli.figures import (
+    ALERT_RATIO,
+    ENTRY_ZERO,
+    KERNEL_ALERT,
     KERNEL_ALERT_LABEL,
-    _finite,
-    _ticks,
+    LEGEND_KEY,
+    POST_NORM,
+    finite,
     log_floor,
     new_figure,
     save,
+    say_empty,
     short_names,
+    sparse_ticks,
+    ticks,
     titled,
 )
-from normscope.cli.figures import LOG_FLOOR as LOG_FLOOR
-from normscope.cli.spectrum_plots import NULL_TOL as NULL_TOL
-from normscope.cli.spectrum_plots import plot_spectrum
-from normscope.cli.spectrum_plots import spectrum_highlights as spectrum_highlights
-from normscope.cli.spectrum_plots import spectrum_verdict as spectrum_verdict
 
 __all__ = [
+    "KIND_COLOUR",
     "SUBLAYER_STYLE",
-    "log_floor",
-    "new_figure",
+    "alignment_verdict",
     "plot_alignment",
     "plot_gamma",
     "plot_profile",
-    "plot_spectrum",
-    "save",
-    "short_names",
-    "titled",
+    "profile_verdict",
 ]
 
 SUBLAYER_STYLE = {  # marker and colour of a residual point by what lies before it
@@ -58,66 +54,100 @@ SUBLAYER_STYLE = {  # marker and colour of a residual point by what lies before 
 KIND_COLOUR = {"layernorm": "tab:blue", "rmsnorm": "tab:orange"}
 
 
+def profile_verdict(profile: Sequence[Mapping[str, Any]], post_norm: bool = False) -> str:
+    """The line under ``sigma_min_profile.png``'s title: the lowest ratio and where, or why no
+    cumulative ratio is defined (``sigma_min(p_0) = 0``), and the post-norm caveat.
+
+    Example::
+
+        >>> profile_verdict([{"name": "e", "sigma_min": 0.0, "sigma_min_ratio": None,
+        ...                   "sigma_min_step": None},
+        ...                  {"name": "h.0", "sigma_min": 0.1, "sigma_min_ratio": None,
+        ...                   "sigma_min_step": None}])
+        'cumulative ratios undefined; sigma_min(p_0) = 0: the stream entry has rank < d (fewer distinct tokens than d?)'
+    """
+    ratio = finite(p.get("sigma_min_ratio") for p in profile[1:])
+    parts = []
+    if np.isfinite(ratio).any():
+        i = int(np.nanargmin(ratio))
+        parts.append(
+            f"lowest ratio {ratio[i]:.3g} at {short_names([p['name'] for p in profile])[i + 1]}"
+        )
+    elif profile:
+        step = finite(p.get("sigma_min_step") for p in profile)
+        entry = profile[0].get("sigma_min")
+        parts.append(ENTRY_ZERO if entry == 0 else "no cumulative ratio could be read")
+        if np.isfinite(step).any():
+            parts.append("step ratios drawn")
+    if post_norm:
+        parts.append(POST_NORM)
+    return "; ".join(parts)
+
+
 def plot_profile(
     profile: Sequence[Mapping[str, Any]],
     path: str | Path,
     *,
     title: str,
     baseline_label: str = "random-init twin",
+    post_norm: bool = False,
 ) -> Path:
     """``sigma_min_ratio`` against depth (markers by sublayer), the step ratio, the twin's
-    ratio when present, the floor at 1 and the default rule's alert threshold (``ALERT_RATIO``)."""
+    ratio when present, the floor at 1 and the default rule's alert threshold (``ALERT_RATIO``).
+    With no finite ratio (``sigma_min(p_0) = 0``) the markers go on the step ratios and the
+    title says why; a post-norm profile gets no floor or threshold (no bound, no alert there);
+    with nothing finite at all the axes say so (:func:`profile_verdict`)."""
     fig = new_figure()
     ax = fig.add_subplot()
     depth = np.arange(len(profile))
-    ratio = _finite(p.get("sigma_min_ratio") for p in profile)
-    step = _finite(p.get("sigma_min_step") for p in profile)
-    twin = _finite(p.get("baseline_ratio") for p in profile)
+    ratio = finite(p.get("sigma_min_ratio") for p in profile)
+    step = finite(p.get("sigma_min_step") for p in profile)
+    twin = finite(p.get("baseline_ratio") for p in profile)
+    cumulative = bool(np.isfinite(ratio[1:]).any())
     every = np.concatenate([ratio, step, twin])
     every = every[np.isfinite(every)]
     use_log = every.size > 0 and (every.min() <= 0 or every.max() / max(every.min(), 1e-300) > 30)
     if use_log:
         ax.set_yscale("log")
         ratio, low, _ = log_floor(ratio)
-        step, _, _ = log_floor(step)
+        step, low_step, _ = log_floor(step)
         twin, _, _ = log_floor(twin)
     else:
-        low = np.zeros(len(ratio), dtype=bool)
-    ax.plot(depth, ratio, "-", color="0.3", lw=1.2, zorder=1)
-    ax.plot(
-        depth,
-        step,
-        ":",
-        color="tab:purple",
-        lw=1.2,
-        label="step ratio sigma_min(p_k)/sigma_min(p_k-1)",
-    )
+        low = low_step = np.zeros(len(ratio), dtype=bool)
+    if cumulative:
+        ax.plot(depth, ratio, "-", color="0.3", lw=1.2, zorder=1,
+                label="ratio sigma_min(p_k)/sigma_min(p_0)")  # fmt: skip
+    if np.isfinite(step).any():
+        ax.plot(depth, step, ":", color="tab:purple", lw=1.2,
+                label="step ratio sigma_min(p_k)/sigma_min(p_k-1)")  # fmt: skip
     if np.isfinite(twin).any():
         ax.plot(depth, twin, "--", color="0.6", lw=1.2, label=f"ratio, {baseline_label}")
+    marked, marked_low = (ratio, low) if cumulative else (step, low_step)
     for sub, (marker, colour, label) in SUBLAYER_STYLE.items():
-        idx = [i for i, p in enumerate(profile) if p.get("sublayer") == sub and not low[i]]
+        idx = [
+            i
+            for i, p in enumerate(profile)
+            if p.get("sublayer") == sub and not marked_low[i] and np.isfinite(marked[i])
+        ]
         if idx:
-            ax.scatter(
-                depth[idx], ratio[idx], marker=marker, color=colour, s=36, zorder=3, label=label
-            )
-    if low.any():
-        ax.scatter(
-            depth[low],
-            ratio[low],
-            marker="v",
-            color="tab:red",
-            s=40,
-            zorder=3,
-            label="<= axis floor (0 or rounding)",
-        )
-    ax.axhline(1.0, color="black", lw=0.9, label="1 (no-cancellation floor)")
-    ax.axhline(
-        ALERT_RATIO, color="tab:red", lw=0.8, ls="--", label=f"alert threshold {ALERT_RATIO}"
-    )
-    _ticks(ax, short_names([p["name"] for p in profile]))
+            ax.scatter(depth[idx], marked[idx], marker=marker, color=colour, s=36, zorder=3,
+                       label=label)  # fmt: skip
+    if marked_low.any():
+        ax.scatter(depth[marked_low], marked[marked_low], marker="v", color="tab:red", s=40,
+                   zorder=3, label="<= axis floor (0 or rounding)")  # fmt: skip
+    if every.size == 0:
+        say_empty(ax, "no finite sigma_min ratio at any residual point")
+    if post_norm:
+        ax.axhline(1.0, color="black", lw=0.9, label="1 (p_0's level)")
+    else:
+        ax.axhline(1.0, color="black", lw=0.9, label="1 (no-cancellation floor)")
+        ax.axhline(ALERT_RATIO, color="tab:red", lw=0.8, ls="--",
+                   label=f"alert threshold {ALERT_RATIO}")  # fmt: skip
+    sparse_ticks(ax, short_names([p["name"] for p in profile]))
     ax.set_xlabel("residual point (depth)")
-    ax.set_ylabel("sigma_min(p_k) / sigma_min(p_0)")
-    ax.set_title(title, fontsize=10)
+    ax.set_ylabel("sigma_min(p_k) / sigma_min(p_0)" if cumulative else "sigma_min ratio")
+    verdict = profile_verdict(profile, post_norm)
+    ax.set_title(titled(title, verdict) if verdict else title, fontsize=9)
     ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
     return save(fig, path)
@@ -151,7 +181,7 @@ def alignment_verdict(norms: Sequence[Mapping[str, Any]]) -> str:
         for i, n in enumerate(norms)
         if n.get("kind") == "layernorm" and not n.get("dead_channels")
     ]
-    resid = _finite(norms[i].get("kernel_residual") for i in ln)
+    resid = finite(norms[i].get("kernel_residual") for i in ln)
     parts = []
     lost = [names[i] for i, r in zip(ln, resid) if r > KERNEL_ALERT]
     kept = int(np.sum(resid <= KERNEL_ALERT))
@@ -168,7 +198,7 @@ def alignment_verdict(norms: Sequence[Mapping[str, Any]]) -> str:
         )
     rms = sum(n.get("kind") == "rmsnorm" for n in norms)
     if rms:
-        parts.append(f"{rms} RMSNorm{'s' if rms > 1 else ''}: no kernel by design")
+        parts.append(f"{rms} RMSNorm{'s' if rms > 1 else ''}: no kernel by design, no kernel alert")
     dead = [
         f"{n['dead_channels']} in {names[i]}" for i, n in enumerate(norms) if n.get("dead_channels")
     ]
@@ -190,12 +220,14 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
     labels = short_names([n["name"] for n in norms])
     colours = np.array([KIND_COLOUR.get(n.get("kind"), "tab:gray") for n in norms], dtype=object)
     dead = np.array([bool(n.get("dead_channels")) for n in norms], dtype=bool)
-    distance = 1.0 - _finite(n.get("gamma_alignment") for n in norms)
-    resid = _finite(n.get("kernel_residual") for n in norms)
+    distance = 1.0 - finite(n.get("gamma_alignment") for n in norms)
+    resid = finite(n.get("kernel_residual") for n in norms)
+    has_ln = any(n.get("kind") == "layernorm" for n in norms)
     panels = (
-        (top, distance, "1 - gamma_alignment", [(1 - 0.9999, "0.9999 alignment")],
+        (top, distance, "1 - gamma_alignment", [(1 - 0.9999, "LayerNorm: 0.9999 alignment")],
          "gamma off the kernel direction"),
-        (bottom, resid, "kernel_residual", [(KERNEL_ALERT, f"{KERNEL_ALERT_LABEL} kernel-loss alert")],
+        (bottom, resid, "kernel_residual",
+         [(KERNEL_ALERT, f"LayerNorm: {KERNEL_ALERT_LABEL} kernel-loss alert")],
          "kernel lost (a LayerNorm alerts)"),
     )  # fmt: skip
     dims = [n.get("dim") for n in norms if n.get("dim")]
@@ -203,7 +235,8 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
         ax.set_yscale("log")
         shown, low, floor = log_floor(values)
         ok = np.isfinite(shown)
-        base = min(floor, lines[0][0] / 100) / 3  # the threshold line always in view
+        lines = lines if has_ln else []  # an RMSNorm is held to no kernel: no LayerNorm lines
+        base = min([floor] + [y / 100 for y, _ in lines]) / 3  # the threshold always in view
         top_y = max(1.0, float(np.nanmax(shown)) if ok.any() else 1.0) * 3
         ax.set_ylim(base, top_y)  # before any artist: an axis of lines alone has no span
         ax.vlines(x[ok], base, shown[ok], colors=colours[ok], lw=2.5, zorder=2)
@@ -219,22 +252,26 @@ def plot_alignment(norms: Sequence[Mapping[str, Any]], path: str | Path, *, titl
         if ax is top and dims:
             rand = 1 - 1 / math.sqrt(max(dims))
             ax.axhline(rand, color="0.4", lw=0.8, ls=":", label="1 - 1/sqrt(d): a random v*")
-        ax.axhspan(lines[0][0], top_y, color="tab:red", alpha=0.06, lw=0)
-        ax.text(0.005, lines[0][0] * 2, above, transform=ax.get_yaxis_transform(), fontsize=7,
-                color="tab:red", va="bottom", zorder=5,
-                bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 1})  # fmt: skip
+        if lines:
+            ax.axhspan(lines[0][0], top_y, color="tab:red", alpha=0.06, lw=0)
+            ax.text(0.005, lines[0][0] * 2, above, transform=ax.get_yaxis_transform(), fontsize=7,
+                    color="tab:red", va="bottom", zorder=5,
+                    bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 1})  # fmt: skip
+        if not ok.any():
+            say_empty(ax, f"no finite {ylabel} at any norm layer (too few rows?)")
         ax.set_ylabel(ylabel, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     for kind, colour in KIND_COLOUR.items():
         if any(n.get("kind") == kind for n in norms):
-            top.scatter([], [], color=colour, s=22, label=kind)
+            top.scatter([], [], color=colour, s=22, label=kind, gid=LEGEND_KEY)
     for ax in (top, bottom):
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.align_ylabels([top, bottom])
     top.set_title(titled(title, alignment_verdict(norms)), fontsize=9)
-    _ticks(bottom, labels)
-    for tick, is_dead in zip(bottom.get_xticklabels(), dead):
-        if is_dead:
+    sparse_ticks(bottom, labels)
+    for tick, at in zip(bottom.get_xticklabels(), bottom.get_xticks()):
+        if dead[int(at)]:
             tick.set_color("tab:red")
     return save(fig, path)
 
@@ -274,7 +311,7 @@ def plot_gamma(
             )
     ax.axhline(1.0, color="black", lw=0.6, ls=":")
     ax.axhline(0.0, color="black", lw=0.6)
-    _ticks(ax, short_names(names))
+    ticks(ax, short_names(names))
     ax.set_ylabel("gamma (effective scale)")
     ax.set_title(title, fontsize=10)
     if any(dead.get(n) for n in names):

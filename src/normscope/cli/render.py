@@ -22,9 +22,12 @@ __all__ = [
     "html_page",
     "md_table",
     "out_dir",
+    "profile_rows",
     "run_html",
     "scan_html",
     "scan_markdown",
+    "source_lines",
+    "summary_line",
     "text_table",
     "to_json",
 ]
@@ -150,7 +153,8 @@ def _norm_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def _profile_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+def profile_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The scan's ``sigma_min`` profile table: head and one row per residual point."""
     head = ["residual point", "sublayer", "sigma_min", "sigma_min_ratio", "sigma_min_step",
             "random-init ratio"]  # fmt: skip
     rows = [
@@ -165,7 +169,7 @@ def _profile_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]
 
 
 def _scan_facts(result: Mapping[str, Any]) -> list[str]:
-    m, d, b, s = result["model"], result["data"], result["baseline"], result["summary"]
+    m, d, b = result["model"], result["data"], result["baseline"]
     layout = result["layout"] or {}
     return [
         f"model: {m['class']} ({m['source']}: {m['name']})",
@@ -174,10 +178,49 @@ def _scan_facts(result: Mapping[str, Any]) -> list[str]:
         "baseline: "
         + (f"random-init twin (seed {b['seed']}): {b['how']}" if b["seed"] is not None else "none"),
         f"residual layout: {layout.get('style', 'not read')}",
-        f"sigma_min_ratio_min {_f(s['sigma_min_ratio_min'], '.4g')} at {s['worst_point']}; "
-        f"sigma_min_step_min {_f(s['sigma_min_step_min'], '.4g')}; "
-        f"gamma_alignment_min {_f(s['gamma_alignment_min'], '.6f')}",
+        summary_line(result),
     ]
+
+
+def summary_line(result: Mapping[str, Any]) -> str:
+    """The scan's one-line summary: the smallest cumulative and step ratios and the worst
+    LayerNorm alignment, each in words when it could not be read (never ``nan at None``).
+
+    Example::
+
+        >>> summary_line({"summary": {"sigma_min_ratio_min": None, "worst_point": None,
+        ...               "sigma_min_step_min": 1.42, "gamma_alignment_min": None},
+        ...               "profile": [{"name": "model.layers.0.input_layernorm",
+        ...                            "sigma_min": 0.0}]})
+        'sigma_min_ratio_min undefined (sigma_min(p_0) = 0 at model.layers.0.input_layernorm: the stream entry has rank < d); sigma_min_step_min 1.42; no LayerNorm (gamma_alignment_min not read)'
+    """
+    s, profile = result["summary"], result.get("profile") or []
+    ratio = s.get("sigma_min_ratio_min")
+    if isinstance(ratio, (int, float)) and math.isfinite(ratio):
+        first = f"sigma_min_ratio_min {_f(ratio, '.4g')} at {s['worst_point']}"
+    elif not profile:
+        first = "no sigma_min profile (no residual point was read)"
+    elif profile[0].get("sigma_min") == 0:
+        first = (
+            f"sigma_min_ratio_min undefined (sigma_min(p_0) = 0 at {profile[0]['name']}: the "
+            "stream entry has rank < d)"
+        )
+    else:
+        why = profile[0].get("reason") or "too few rows"
+        first = f"sigma_min_ratio_min not read ({why})"
+    step = s.get("sigma_min_step_min")
+    if isinstance(step, (int, float)) and math.isfinite(step):
+        second = f"sigma_min_step_min {_f(step, '.4g')}"
+    else:
+        second = "sigma_min_step_min not read"
+    align = s.get("gamma_alignment_min")
+    if isinstance(align, (int, float)) and math.isfinite(align):
+        third = f"gamma_alignment_min (LayerNorm) {_f(align, '.6f')}"
+    elif any(n.get("kind") == "layernorm" for n in result.get("norms") or []):
+        third = "gamma_alignment_min (LayerNorm) not read"
+    else:
+        third = "no LayerNorm (gamma_alignment_min not read)"
+    return f"{first}; {second}; {third}"
 
 
 def source_lines(result: Mapping[str, Any]) -> list[str]:
@@ -219,7 +262,7 @@ def scan_markdown(result: Mapping[str, Any], images: Mapping[str, str]) -> str:
     lines += md_table(*_norm_rows(result))
     if result["profile"]:
         lines += ["", "## sigma_min depth profile", ""]
-        lines += md_table(*_profile_rows(result))
+        lines += md_table(*profile_rows(result))
     if result.get("sources"):
         lines += ["", "## Per source", ""]
         lines += [f"- {line}" for line in source_lines(result) if line]
@@ -250,7 +293,7 @@ def scan_html(result: Mapping[str, Any], images: Mapping[str, str | Path]) -> st
     if result["profile"]:
         sections += [
             "<h2>sigma_min depth profile</h2>",
-            _html_table(*_profile_rows(result), left=(0, 1)),
+            _html_table(*profile_rows(result), left=(0, 1)),
         ]
     if result.get("sources"):
         items = "".join(f"<li>{html.escape(x)}</li>" for x in source_lines(result) if x)

@@ -2,11 +2,13 @@
 training steps, alerts marked, with ``report.md``, ``report.html`` and ``report.json``.
 
 The run is read by :func:`normscope.runs.read_run` (Lightning CSVLogger folders, W&B run
-folders or files -- offline runs too --, TensorBoard event folders). Rows logged at one step
-are merged into one read. A W&B run carries the alerts the monitor sent (``run.alert``); CSV
-and TensorBoard logs carry none, so there the monitor's default rules
-(:class:`~normscope.alerts.SigmaMinRatioRule`, :class:`~normscope.alerts.KernelLossRule`) are
-re-evaluated over the logged reads, in step order, and the report says so.
+folders or files -- offline runs too --, TensorBoard event folders; a Hugging Face
+``Trainer``'s ``train/dd/...`` keys at its global step). Rows logged at one step are merged
+into one read. The alerts are the run's own (W&B alert records, or the Hugging Face callback's
+``dd/alert/<rule>`` keys), else the monitor's default rules re-evaluated over the reads
+(:mod:`normscope.cli.run_alerts`); a note says which. The figures are drawn by
+:mod:`normscope.cli.run_plots` and :mod:`normscope.cli.norm_plots`; one with nothing to draw is
+not written, and a note says why.
 
 Two things a log may not hold are inferred, and the report says that too: the depth order of
 the residual points when the log has no ``dd/<point>/depth`` (``p_0`` is the point whose ratio
@@ -25,13 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from normscope._common import fmt
-from normscope.alerts import SourceCollapseRule, default_dead_direction_rules
-from normscope.cli import render, run_plots
+from normscope.cli import norm_plots, render, run_plots
 from normscope.cli.errors import CLIError
 from normscope.cli.figures import KERNEL_ALERT, KERNEL_ALERT_LABEL
+from normscope.cli.norm_plots import kernel_verdict
+from normscope.cli.run_alerts import (
+    declared_kinds,
+    is_post_norm,
+    log_sources,
+    run_alerts,
+    source_classes,
+)
 from normscope.engine.monitor import canonical_metrics, family_names
+from normscope.runs import RunReadError, read_run
 
-__all__ = ["depth_order", "merge_reads", "reevaluate_alerts", "run"]
+__all__ = ["depth_order", "merge_reads", "run", "source_rows", "summary_table"]
 
 _NORM_MARK = "/gamma_alignment"
 _POINT_MARK = "/sigma_min_ratio"
@@ -51,13 +61,6 @@ def merge_reads(
         if ours:
             reads.setdefault(float(row["step"]), {}).update(ours)
     return dict(sorted(reads.items()))
-
-
-def _alert_is_of(alert: Mapping[str, Any], name: str | None) -> bool:
-    """A logged alert record of the monitor ``name`` (titles ``normscope[name]: ...``; the
-    unnamed monitor's ``normscope: ...``)."""
-    title = str(alert.get("title", ""))
-    return title.startswith(f"normscope[{name}]:" if name else "normscope:")
 
 
 def _keyed(reads: Mapping[float, Mapping[str, float]], mark: str) -> list[str]:
@@ -104,73 +107,11 @@ def depth_order(points: Sequence[str], reads: Mapping[float, Mapping[str, float]
     return first + sorted((p for p in points if p not in first), key=_natural)
 
 
-def _declared_kinds(
-    norms: Sequence[str], reads: Mapping[float, Mapping[str, float]]
-) -> dict[str, str]:
-    """Each norm's declared kind from ``norm_class`` (+1 / -1) and ``kind_mismatch``."""
-    kinds = {}
-    for name in norms:
-        for values in reads.values():
-            cls = values.get(f"dd/{name}/norm_class")
-            mismatch = values.get(f"dd/{name}/kind_mismatch", 0.0)
-            if cls in (1.0, -1.0):
-                looks_ln = (cls == 1.0) != (mismatch == 1.0)
-                kinds[name] = "layernorm" if looks_ln else "rmsnorm"
-                break
-    return kinds
-
-
-def reevaluate_alerts(
-    reads: Mapping[float, Mapping[str, float]], norms: Sequence[str], points: Sequence[str]
-) -> list[dict[str, Any]]:
-    """The monitor's default rules over the logged reads, in step order.
-
-    Post-norm logs (every point after ``p_0`` named ``<block>.output``) get no sigma_min rule,
-    as in the monitor. Returns ``{"step", "title", "text", "level", "origin"}`` dicts."""
-    post_norm = len(points) > 1 and all(p.endswith(".output") for p in points[1:])
-    rules = default_dead_direction_rules(
-        _declared_kinds(norms, reads),
-        None if post_norm else {p: None for p in points},  # depth order for the upstream rule
-        sources=bool(log_sources(reads)),
-    )
-    out = []
-    for step, values in reads.items():
-        for rule in rules:
-            for a in rule.evaluate(values, int(step)):
-                metric = a.key.rsplit("/", 1)[-1]
-                out.append(
-                    {
-                        "step": float(step),
-                        "title": f"normscope: {a.rule}",
-                        "text": a.message
-                        if a.rule == SourceCollapseRule.name
-                        else f"{a.rule} at {a.point} at step {int(step)}: {metric} "
-                        f"{a.value:.3g} (threshold {a.threshold:.3g})",
-                        "level": "WARN",
-                        "origin": "re-evaluated",
-                    }
-                )
-    return out
-
-
-def log_sources(reads: Mapping[float, Mapping[str, float]]) -> list[str]:
-    """The sources of a log with per-source reads (``dd.<source>/sigma_min_ratio_min``)."""
-    found = {
-        k[len("dd.") : -len("/sigma_min_ratio_min")]
-        for values in reads.values()
-        for k in values
-        if k.startswith("dd.") and k.endswith("/sigma_min_ratio_min") and k.count("/") == 1
-    }
-    return sorted(found)
-
-
 def source_rows(
     reads: Mapping[float, Mapping[str, float]], sources: Sequence[str]
 ) -> tuple[list[str], list[list[str]]]:
     """Per read: each source's ``sigma_min_ratio_min`` and rows, and the shallowest collapse's
     class and point (classified from the logged keys, as the monitor does)."""
-    from normscope.alerts.rules import classify_collapses
-
     head = ["step"] + [f"{s} ratio_min (rows)" for s in sources] + ["collapse", "at"]
     rows = []
     for step, v in reads.items():
@@ -181,15 +122,21 @@ def source_rows(
                 f"{_cell(v.get(f'dd.{s}/sigma_min_ratio_min'), '.4g')} "
                 f"({_cell(rows_s, '.0f') if rows_s is not None else '-'})"
             )
-        collapses = classify_collapses(v)
-        cells += [collapses[0].kind, collapses[0].point] if collapses else ["none", "-"]
+        cells += source_classes(v)
         rows.append(cells)
     return head, rows
 
 
-def _summary_rows(
+_READ_COLUMNS = ("step", "sigma_min_ratio_min", "sigma_min_step_min", "worst point",
+                 "gamma_alignment_min")  # fmt: skip
+
+
+def summary_table(
     reads: Mapping[float, Mapping[str, float]], points: Sequence[str], alert_steps: set[float]
-) -> list[list[str]]:
+) -> tuple[list[str], list[list[str]]]:
+    """The reads table: one row per read (step, the run minima, the worst point after ``p_0``,
+    ``gamma_alignment_min``), and an ``alert`` column only when some read is at an alert."""
+    marked = any(step in alert_steps for step in reads)
     rows = []
     for step, v in reads.items():
         ratios = {p: v.get(f"dd/{p}/sigma_min_ratio", math.nan) for p in points[1:]}
@@ -199,10 +146,11 @@ def _summary_rows(
             [
                 f"{step:g}", _cell(v.get("dd/sigma_min_ratio_min"), ".4g"),
                 _cell(v.get("dd/sigma_min_step_min"), ".4g"), worst,
-                _cell(v.get("dd/gamma_alignment_min"), ".6f"), "ALERT" if step in alert_steps else "",
+                _cell(v.get("dd/gamma_alignment_min"), ".6f"),
             ]
+            + (["ALERT" if step in alert_steps else "-"] if marked else [])
         )  # fmt: skip
-    return rows
+    return [*_READ_COLUMNS] + (["alert"] if marked else []), rows
 
 
 def _chosen_steps(steps: Sequence[float], alert_steps: Sequence[float], n: int = 5) -> list[float]:
@@ -218,8 +166,6 @@ def _chosen_steps(steps: Sequence[float], alert_steps: Sequence[float], n: int =
 
 
 def run(args: argparse.Namespace) -> int:
-    from normscope.runs import RunReadError, read_run
-
     render.out_dir(args.out, create=False)
     try:
         log = read_run(args.run_dir)
@@ -249,52 +195,31 @@ def run(args: argparse.Namespace) -> int:
         notes.append(
             f"other monitors in this run: {', '.join(others)} (--name NAME reports on one)"
         )
-    alerts = [{**a, "origin": "logged"} for a in log.alerts if _alert_is_of(a, name)]
-    if log.source == "wandb":
-        notes.append(f"alerts: the {len(alerts)} alert record(s) the run logged (run.alert)")
-    else:
-        alerts = reevaluate_alerts(reads, norms, points)
+    if log.key_prefix:
         notes.append(
-            f"alerts: a {log.source} log holds no alert records; the monitor's default rules "
-            f"(SigmaMinRatioRule(), KernelLossRule({KERNEL_ALERT_LABEL})) were re-evaluated "
-            "over the logged reads"
+            f"a Hugging Face Trainer run: normscope's keys were logged under "
+            f"{log.key_prefix!r} ({log.key_prefix}dd/...) and are read without it; steps are "
+            "the Trainer's global step"
         )
+    alerts, said = run_alerts(log.source, log.alerts, reads, norms, points, name)
+    notes.append(said)
     if points and run_plots.logged_depths(points, reads) is None:
         notes.append("depth order of the residual points inferred from their module paths")
     alert_steps = sorted(
         {a["step"] for a in alerts if isinstance(a["step"], float) and math.isfinite(a["step"])}
     )
     out = render.out_dir(args.out)
-    images = _plots(reads, norms, points, alerts, alert_steps, out, Path(args.run_dir).name)
-    rows = _summary_rows(reads, points, set(alert_steps))
-    head = [
-        "step",
-        "sigma_min_ratio_min",
-        "sigma_min_step_min",
-        "worst point",
-        "gamma_alignment_min",
-        "",
-    ]
+    images = _plots(reads, norms, points, alerts, alert_steps, out, Path(args.run_dir).name, notes)
+    head, rows = summary_table(reads, points, set(alert_steps))
     result = {
         "command": "report",
         "run": {"source": log.source, "path": str(log.path)},
         "monitor": name,
         "monitors": names,
         "reads": [
-            dict(
-                zip(
-                    [
-                        "step",
-                        "sigma_min_ratio_min",
-                        "sigma_min_step_min",
-                        "worst_point",
-                        "gamma_alignment_min",
-                    ],
-                    r[:5],
-                )
-            )
+            dict(zip([c.replace(" ", "_") for c in _READ_COLUMNS], r[: len(_READ_COLUMNS)]))
             for r in rows
-        ],  # fmt: skip
+        ],
         "norms": norms,
         "points": points,
         "alerts": alerts,
@@ -331,39 +256,67 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str) -> dict[str, str]:
+def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str, notes: list[str]):
+    """Write the figures; a figure with nothing to draw is not written, and ``notes`` says
+    why. Returns ``{file: caption}`` of the files written."""
     captions: dict[str, str] = {}
+    post_norm = is_post_norm(points)
     if points:
         run_plots.plot_sigma_over_steps(
             reads, points, alerts, out / "sigma_min_over_steps.png",
-            title=f"{name}: sigma_min ratio over training steps",
+            title=f"{name}: sigma_min ratio over training steps", post_norm=post_norm,
         )  # fmt: skip
         captions["sigma_min_over_steps.png"] = "sigma_min ratio over training steps"
         steps = _chosen_steps(list(reads), alert_steps)
         run_plots.plot_run_profile(
             reads, points, steps, alert_steps, out / "sigma_min_profile.png",
-            title=f"{name}: sigma_min ratio against depth at a few steps",
+            title=f"{name}: sigma_min ratio against depth at a few steps", post_norm=post_norm,
         )  # fmt: skip
         captions["sigma_min_profile.png"] = "sigma_min ratio against depth"
-    if norms:
-        panels = {
-            "alignment.png": ("gamma_alignment and kernel_residual over steps", [
-                ("gamma_alignment", "gamma_alignment", False),
-                ("kernel_residual", "kernel_residual", True)]),
-            "gamma.png": ("gamma spread, min and max over steps", [
-                ("gamma_spread", "gamma_spread", False), ("gamma_min", "gamma_min", False),
-                ("gamma_max", "gamma_max", False)]),
-            "schur.png": ("Delta_gamma and deepening over steps", [
-                ("delta_gamma", "Delta_gamma", False), ("deepening", "deepening", True)]),
-        }  # fmt: skip
-        lines = {
-            "gamma_alignment": [(0.9999, "0.9999")],
-            "kernel_residual": [(KERNEL_ALERT, f"{KERNEL_ALERT_LABEL} alert")],
-        }
-        for file, (caption, spec) in panels.items():
-            run_plots.plot_norm_metrics(
-                reads, norms, spec, alerts, out / file, title=f"{name}: {caption}", hlines=lines
-            )
+    else:
+        notes.append(
+            "sigma_min_over_steps.png, sigma_min_profile.png not written: the run logged no "
+            "residual point (dd/<point>/sigma_min_ratio; dd/profile_points 0)"
+        )
+    if not norms:
+        notes.append(
+            "alignment.png, gamma.png, schur.png not written: the run logged no norm layer"
+        )
+        return captions
+    kinds = declared_kinds(norms, reads)
+    rms_only = bool(kinds) and set(kinds.values()) == {"rmsnorm"}
+    no_kernel = "RMSNorms have no kernel, so no Schur complement is read" if rms_only else ""
+    panels = {
+        "alignment.png": ("gamma_alignment and kernel_residual over steps", [
+            ("gamma_alignment", "gamma_alignment", False),
+            ("kernel_residual", "kernel_residual", True)],
+            kernel_verdict(reads, norms, kinds)),
+        "gamma.png": ("gamma spread, min and max over steps", [
+            ("gamma_spread", "gamma_spread", False), ("gamma_min", "gamma_min", False),
+            ("gamma_max", "gamma_max", False)], ""),
+        "schur.png": ("Delta_gamma and deepening over steps", [
+            ("delta_gamma", "Delta_gamma", False), ("deepening", "deepening", True)], ""),
+    }  # fmt: skip
+    lines = {
+        "gamma_alignment": [(0.9999, "LayerNorm: 0.9999", "layernorm")],
+        "kernel_residual": [(KERNEL_ALERT, f"LayerNorm: {KERNEL_ALERT_LABEL} alert", "layernorm")],
+    }
+    empty = {
+        "delta_gamma": "no finite Delta_gamma in any read: "
+        + (no_kernel or "read for LayerNorms with a kernel, against the first read's baseline"),
+        "deepening": "no finite deepening in any read: "
+        + (no_kernel or "read for LayerNorms with a kernel, against the first read's baseline"),
+    }
+    for file, (caption, spec, verdict) in panels.items():
+        written = norm_plots.plot_norm_metrics(
+            reads, norms, spec, alerts, out / file, title=f"{name}: {caption}", hlines=lines,
+            kinds=kinds, empty=empty, verdict=verdict,
+        )  # fmt: skip
+        if written is None:
+            metrics = ", ".join(m for m, _, _ in spec)
+            why = f" ({no_kernel})" if no_kernel and file == "schur.png" else ""
+            notes.append(f"{file} not written: no finite {metrics} in any read{why}")
+        else:
             captions[file] = caption
     return captions
 

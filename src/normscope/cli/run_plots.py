@@ -2,27 +2,52 @@
 
 Each takes the run's reads (``{step: {key: value}}``, keys as the monitor logs them), the
 layers or points to draw, and a path. Layers are coloured by depth (viridis: dark is shallow,
-yellow is deep); every alert is a red vertical line at its step.
+yellow is deep), named in the legend up to ``LEGEND_MAX`` lines, past it by a colour scale
+with the worst three named on the plot; every alert is a red vertical line at its step. No
+panel is left blank: one with nothing to draw says why in its middle, and a figure with nothing
+at all is not written (the function returns None and the report says why).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.figure import Figure
 
-from normscope.cli.plots import ALERT_RATIO, log_floor, new_figure, save, short_names, titled
+from normscope.cli.figures import (
+    ALERT_RATIO,
+    ENTRY_ZERO,
+    LEGEND_MAX,
+    POST_NORM,
+    any_finite,
+    depth_colours,
+    depth_scale,
+    log_floor,
+    mark_alerts,
+    name_worst,
+    new_figure,
+    run_series,
+    save,
+    say_empty,
+    short_names,
+    sparse_ticks,
+    step_span,
+    titled,
+    wide,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "depth_axis_label",
     "logged_depths",
-    "plot_norm_metrics",
     "plot_run_profile",
     "plot_sigma_over_steps",
     "run_profile_figure",
+    "sigma_verdict",
 ]
 
 Reads = Mapping[float, Mapping[str, float]]
@@ -64,34 +89,6 @@ def depth_axis_label(points: Sequence[str], reads: Reads) -> str:
     return "residual point (depth order inferred from module paths)"
 
 
-def _series(reads: Reads, key: str) -> tuple[np.ndarray, np.ndarray]:
-    steps = [s for s in sorted(reads) if key in reads[s]]
-    return np.array(steps, dtype=float), np.array([reads[s][key] for s in steps], dtype=float)
-
-
-def _colours(n: int) -> list[Any]:
-    from matplotlib import colormaps
-
-    cmap = colormaps["viridis"]
-    return [cmap(0.9 * i / max(1, n - 1)) for i in range(n)]
-
-
-def _mark_alerts(ax: Any, alerts: Sequence[Mapping[str, Any]], label: bool = True) -> None:
-    seen = set()
-    for a in alerts:
-        step = a.get("step")
-        if step is None or step != step or step in seen:  # NaN: no step known
-            continue
-        seen.add(step)
-        ax.axvline(step, color="tab:red", lw=1.0, ls="-", alpha=0.7,
-                   label="alert" if label and len(seen) == 1 else None)  # fmt: skip
-
-
-def _wide(values: np.ndarray) -> bool:
-    v = values[np.isfinite(values)]
-    return v.size > 0 and (v.min() <= 0 or v.max() / max(v.min(), 1e-300) > 30)
-
-
 def sigma_verdict(reads: Reads, alerts: Sequence[Mapping[str, Any]]) -> str:
     """The line under ``sigma_min_over_steps.png``'s title: the alerts' first step, else the
     lowest ``sigma_min_step_min`` and where it was.
@@ -110,7 +107,7 @@ def sigma_verdict(reads: Reads, alerts: Sequence[Mapping[str, Any]]) -> str:
     if alerts:
         first = f", the first at step {steps[0]:g}" if steps else ""
         return f"{len(alerts)} alert{'s' if len(alerts) > 1 else ''}{first}"
-    at, values = _series(reads, "dd/sigma_min_step_min")
+    at, values = run_series(reads, "dd/sigma_min_step_min")
     ok = np.isfinite(values)
     if not ok.any():
         return "no alert"
@@ -128,52 +125,81 @@ def plot_sigma_over_steps(
     path: str | Path,
     *,
     title: str,
+    post_norm: bool = False,
 ) -> Path:
     """Every point's cumulative ``sigma_min_ratio`` over steps (thin, by depth), the run-level
     ``dd/sigma_min_ratio_min`` and ``dd/sigma_min_step_min`` (thick, a marker at each read),
     the default alert threshold and the alerts. ``p_0`` (``points[0]``), the reference of every
     ratio, is 1 by definition: it is the labelled line at 1, and its logged ratio is drawn as
-    dots on it so that a read where it is not 1 shows. The title's second line says whether
-    and when it alerted (:func:`sigma_verdict`)."""
+    dots on it so that a read where it is not 1 shows. When no cumulative ratio is finite
+    (``sigma_min(p_0) = 0``) the step ratios are drawn instead and the title says why; a
+    post-norm run gets no threshold (no sigma_min alert there). The title's second line says
+    whether and when it alerted (:func:`sigma_verdict`)."""
     fig = new_figure(9.0, 4.8)
     ax = fig.add_subplot()
     names = short_names(points)
-    lines = [(f"dd/{p}/sigma_min_ratio", lab) for p, lab in zip(points, names)]
-    every = np.concatenate([_series(reads, k)[1] for k, _ in lines] + [np.array([1.0])])
-    log = _wide(every)
+    cumulative = any(any_finite(reads, f"dd/{p}/sigma_min_ratio") for p in points[1:])
+    metric = "sigma_min_ratio" if cumulative else "sigma_min_step"
+    lines = [(f"dd/{p}/{metric}", lab) for p, lab in zip(points, names)]
+    every = np.concatenate([run_series(reads, k)[1] for k, _ in lines] + [np.array([1.0])])
+    log = wide(every)
     if log:
         ax.set_yscale("log")
+
+    def shown(values: np.ndarray) -> np.ndarray:
+        return log_floor(values)[0] if log else values
+
     if lines:
         ax.axhline(1.0, color="black", lw=1.0, zorder=1,
                    label=f"1 = p_0 {names[0]} (the reference)")  # fmt: skip
-        steps, values = _series(reads, lines[0][0])
-        if steps.size:
-            ax.scatter(steps, log_floor(values)[0] if log else values, s=60, marker="o",
-                       facecolors="none", edgecolors="tab:gray", linewidths=1.3, zorder=4,
+        steps, values = run_series(reads, lines[0][0])
+        if cumulative and np.isfinite(values).any():
+            ax.scatter(steps, shown(values), s=60, marker="o", facecolors="none",
+                       edgecolors="tab:gray", linewidths=1.3, zorder=4,
                        label=f"p_0 {names[0]}, as logged")  # fmt: skip
-    later = lines[1:]
-    for (key, lab), colour in zip(later, _colours(len(later))):
-        steps, values = _series(reads, key)
-        if log:
-            values = log_floor(values)[0]
-        ax.plot(steps, values, lw=0.9, color=colour, alpha=0.85, zorder=2,
-                label=lab if len(later) <= 12 else None)  # fmt: skip
-    for key, style, lab in (
-        ("dd/sigma_min_ratio_min", "-", "sigma_min_ratio_min"),
-        ("dd/sigma_min_step_min", ":", "sigma_min_step_min"),
-    ):
-        steps, values = _series(reads, key)
-        if steps.size:
-            ax.plot(steps, log_floor(values)[0] if log else values, style, color="black", lw=2,
+    later = [(k, lab) for k, lab in lines[1:] if any_finite(reads, k)]
+    many = len(later) > LEGEND_MAX
+    lows = []
+    for (key, lab), colour in zip(later, depth_colours(len(later))):
+        steps, values = run_series(reads, key)
+        ax.plot(steps, shown(values), lw=0.9, color=colour, alpha=0.85, zorder=3.5,
+                label=None if many else lab)  # fmt: skip
+        i = int(np.nanargmin(values))
+        lows.append((float(values[i]), float(steps[i]), lab))
+    if many:
+        depth_scale(fig, ax, [lab for _, lab in later], "residual point")
+    run_keys = [("dd/sigma_min_step_min", ":", "sigma_min_step_min")]
+    if cumulative:
+        run_keys.insert(0, ("dd/sigma_min_ratio_min", "-", "sigma_min_ratio_min"))
+    for key, style, lab in run_keys:
+        steps, values = run_series(reads, key)
+        if np.isfinite(values).any():
+            ax.plot(steps, shown(values), style, color="black", lw=2,
                     marker="o" if style == "-" else "s", ms=3.5, zorder=3, label=lab)  # fmt: skip
-    ax.axhline(
-        ALERT_RATIO, color="tab:red", lw=0.8, ls="--", label=f"alert threshold {ALERT_RATIO}"
-    )
-    _mark_alerts(ax, alerts)
+    if not post_norm:
+        ax.axhline(ALERT_RATIO, color="tab:red", lw=0.8, ls="--",
+                   label=f"alert threshold {ALERT_RATIO}")  # fmt: skip
+    mark_alerts(ax, alerts)
+    step_span(ax, reads)
+    if many:  # after every line that moves the limits
+        worst = sorted(lows)[:3]
+        name_worst(ax, [(x, float(shown(np.array([v]))[0]), lab) for v, x, lab in worst])
+    verdict = sigma_verdict(reads, alerts)
+    if post_norm:
+        verdict = f"{verdict.replace(f', threshold {ALERT_RATIO}', '')}; {POST_NORM}"
+    if not later and not any_finite(reads, "dd/sigma_min_step_min"):
+        why = "no finite sigma_min ratio in any read"
+        say_empty(ax, why + (f" ({ENTRY_ZERO})" if not cumulative else ""))
+        verdict = f"{why}; {verdict}"
+    elif not cumulative:
+        verdict = f"{ENTRY_ZERO}; step ratios drawn; {verdict}"
     ax.set_xlabel("training step")
-    ax.set_ylabel("sigma_min ratio")
-    ax.set_title(titled(title, sigma_verdict(reads, alerts)), fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_ylabel("sigma_min ratio" if cumulative else "step ratio sigma_min(p_k)/sigma_min(p_k-1)")
+    ax.set_title(titled(title, verdict), fontsize=9)
+    if many:  # the colour bar is beside the axes: the legend goes inside
+        ax.legend(fontsize=6, loc="lower left", framealpha=0.85)
+    else:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     return save(fig, path)
 
@@ -186,11 +212,13 @@ def plot_run_profile(
     path: str | Path,
     *,
     title: str,
+    post_norm: bool = False,
 ) -> Path:
     """The ``sigma_min`` ratio against depth at a few steps (colour by step; a read at an
     alert drawn in red), the floor at 1 and the alert threshold; the depth axis says whether
     the order was logged or inferred (:func:`depth_axis_label`)."""
-    return save(run_profile_figure(reads, points, steps, alert_steps, title=title), path)
+    figure = run_profile_figure(reads, points, steps, alert_steps, title=title, post_norm=post_norm)
+    return save(figure, path)
 
 
 def run_profile_figure(
@@ -200,70 +228,55 @@ def run_profile_figure(
     alert_steps: Sequence[float],
     *,
     title: str,
+    post_norm: bool = False,
 ) -> Figure:
-    """The figure :func:`plot_run_profile` saves."""
+    """The figure :func:`plot_run_profile` saves. Only the steps with a finite ratio are drawn
+    and named in the legend; with none (``sigma_min(p_0) = 0``) the step ratios are drawn and
+    the title says why; with nothing finite at all, the axes say so."""
     fig = new_figure()
     ax = fig.add_subplot()
     depth = np.arange(len(points))
-    curves = {
-        s: np.array([reads[s].get(f"dd/{p}/sigma_min_ratio", np.nan) for p in points])
-        for s in steps
-    }
-    log = _wide(np.concatenate([*curves.values(), np.array([1.0])]))
+    verdict = []
+    metric = "sigma_min_ratio"
+    curves = {}
+    for metric in ("sigma_min_ratio", "sigma_min_step"):
+        curves = {
+            s: np.array([reads[s].get(f"dd/{p}/{metric}", np.nan) for p in points]) for s in steps
+        }
+        curves = {s: c for s, c in curves.items() if np.isfinite(c[1:]).any()}
+        if curves:
+            break
+    if metric == "sigma_min_step" and curves:
+        verdict.append(f"{ENTRY_ZERO}; step ratios sigma_min(p_k)/sigma_min(p_k-1) drawn")
+    log = wide(np.concatenate([*curves.values(), np.array([1.0])]))
     if log:
         ax.set_yscale("log")
-    for (step, values), colour in zip(curves.items(), _colours(len(curves))):
+    for (step, values), colour in zip(curves.items(), depth_colours(len(curves))):
         at_alert = step in alert_steps
         ax.plot(depth, log_floor(values)[0] if log else values, "-o", ms=3, lw=1.8 if at_alert else 1.0,
                 color="tab:red" if at_alert else colour,
                 label=f"step {step:g}" + (" (alert)" if at_alert else ""))  # fmt: skip
-    ax.axhline(1.0, color="black", lw=0.9, label="1 (no-cancellation floor)")
-    ax.axhline(
-        ALERT_RATIO, color="tab:red", lw=0.8, ls="--", label=f"alert threshold {ALERT_RATIO}"
-    )
-    ax.set_xticks(depth)
-    ax.set_xticklabels(short_names(points), rotation=60, ha="right", fontsize=8)
+    skipped = [s for s in steps if s not in curves]
+    if curves and skipped:
+        verdict.append(f"steps {', '.join(f'{s:g}' for s in skipped)}: no finite ratio")
+    if not curves:
+        p0 = run_series(reads, f"dd/{points[0]}/sigma_min")[1] if points else np.array([])
+        entry_zero = bool(p0.size) and bool(np.all(p0[np.isfinite(p0)] <= 0))
+        why = "no finite sigma_min ratio at any read" + (f" ({ENTRY_ZERO})" if entry_zero else "")
+        say_empty(ax, why)
+        verdict.append(why)
+    if post_norm:
+        ax.axhline(1.0, color="black", lw=0.9, label="1 (p_0's level)")
+        verdict.append(POST_NORM)
+    else:
+        ax.axhline(1.0, color="black", lw=0.9, label="1 (no-cancellation floor)")
+        ax.axhline(ALERT_RATIO, color="tab:red", lw=0.8, ls="--",
+                   label=f"alert threshold {ALERT_RATIO}")  # fmt: skip
+    sparse_ticks(ax, short_names(points))
     ax.set_xlabel(depth_axis_label(points, reads))
-    ax.set_ylabel("sigma_min(p_k) / sigma_min(p_0)")
-    ax.set_title(title, fontsize=10)
+    ax.set_ylabel("sigma_min(p_k) / sigma_min(p_0)" if metric == "sigma_min_ratio"
+                  else "sigma_min(p_k) / sigma_min(p_k-1)")  # fmt: skip
+    ax.set_title(titled(title, "; ".join(verdict)) if verdict else title, fontsize=9)
     ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
     return fig
-
-
-def plot_norm_metrics(
-    reads: Reads,
-    layers: Sequence[str],
-    panels: Sequence[tuple[str, str, bool]],
-    alerts: Sequence[Mapping[str, Any]],
-    path: str | Path,
-    *,
-    title: str,
-    hlines: Mapping[str, Sequence[tuple[float, str]]] | None = None,
-) -> Path:
-    """One panel per ``(metric, y label, log axis)``: that metric of every layer over steps,
-    alerts marked; ``hlines`` maps a metric to reference lines ``(y, label)``."""
-    fig = new_figure(9.0, 2.8 * len(panels) + 0.6)
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    colours = _colours(len(layers))
-    labels = short_names(layers)
-    for i, (ax, (metric, ylabel, log)) in enumerate(zip(axes, panels)):
-        if log:
-            ax.set_yscale("log")
-        else:
-            ax.ticklabel_format(axis="y", useOffset=False)  # 1.000000, not "+1" and 1e-6s
-        for layer, lab, colour in zip(layers, labels, colours):
-            steps, values = _series(reads, f"dd/{layer}/{metric}")
-            if steps.size:
-                ax.plot(steps, log_floor(values)[0] if log else values, "-", marker=".", ms=3, lw=1,
-                        color=colour, label=lab if i == 0 and len(layers) <= 14 else None)  # fmt: skip
-        for y, lab in (hlines or {}).get(metric, ()):
-            ax.axhline(y, color="black", lw=0.8, ls="--", label=lab)
-        _mark_alerts(ax, alerts, label=i == 0)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, ncol=2, loc="best")
-    axes[0].set_title(title, fontsize=10)
-    axes[-1].set_xlabel("training step")
-    return save(fig, path)

@@ -27,13 +27,12 @@ from normscope.cli.data import TokenData, make_batches
 from normscope.cli.errors import CLIError
 from normscope.cli.loading import load_model
 from normscope.cli.options import DEFAULT_TOKENS
-from normscope.cli.scan_result import PLOTS as PLOTS
-from normscope.cli.scan_result import default_alerts, scan_result, write_scan_outputs
+from normscope.cli.scan_result import scan_result, write_scan_outputs
 from normscope.families.dead_direction import DeadDirectionReport
 from normscope.families.scan import scan_model
 from normscope.taps.norms import NormDiscoveryError, find_norm_layers
 
-__all__ = ["default_alerts", "format_scan_table", "run", "scan_result", "write_scan_outputs"]
+__all__ = ["data_sources", "entry_rank_note", "format_scan_table", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         baseline=twin_report,
         sources=sources,
     )
+    entry = entry_rank_note(report, data, loaded.tokenizer_name, width)
+    if entry:
+        notes.append(entry)
     result = scan_result(loaded, report, twin_report, data, args, notes)
     if sources is not None:
         result["data"]["sources"] = [
@@ -112,6 +114,31 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {note}")
         print(f"wrote {', '.join(result['files'])} to {out}/")
     return 0
+
+
+def entry_rank_note(
+    report: DeadDirectionReport, data: TokenData, tokenizer: str, width: int
+) -> str | None:
+    """What to say when ``sigma_min(p_0)`` is 0: the stream entry has rank below its width, so
+    no cumulative ratio is defined; how many distinct token ids the text gave, and what to
+    pass instead (the model's tokenizer, or more varied ``--data``)."""
+    points = report.profile.points if report.profile is not None else ()
+    if not points or points[0].sigma_min != 0:
+        return None
+    ids = [b["input_ids"] if isinstance(b, dict) else b for b in data.batches]
+    distinct = int(torch.unique(torch.cat([i.reshape(-1) for i in ids])).numel())
+    text = (
+        f"sigma_min(p_0) = 0 at {points[0].name}: the stream entry has rank below its width "
+        f"d = {width}, so "
+        f"every cumulative sigma_min ratio is undefined (the step ratios are still read). "
+        f"The text gave {distinct} distinct token ids"
+    )
+    if tokenizer.startswith("UTF-8 bytes"):
+        return text + (
+            " as UTF-8 bytes, because the model came without a tokenizer: pass its tokenizer "
+            "(its files in the model directory, or a factory returning (model, tokenizer))"
+        )
+    return text + f" through {tokenizer}: pass more varied text with --data"
 
 
 # ------------------------------------------------------------------------------ the data
@@ -177,7 +204,7 @@ def _combine(parts: list[tuple[str | None, TokenData]]) -> tuple[TokenData, Any]
 @contextlib.contextmanager
 def _progress(model: nn.Module, total: int, desc: str) -> Iterator[None]:
     """A tqdm bar over the scan's forwards (shown on a terminal only), counted by a forward
-    hook on the model itself."""
+    hook on the model itself. tqdm, of the ``cli`` extra, is imported when a scan runs."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc=desc, unit="forward", disable=None, file=sys.stderr, leave=False)
@@ -260,16 +287,10 @@ def format_scan_table(result: dict[str, Any]) -> str:
     lines += render.text_table(head, rows, right=(2, 3, 4, 5, 7, 8))
     if result["profile"]:
         lines.append("")
-        rows = render._profile_rows(result)[1]  # the report's rows, under shorter heads
+        rows = render.profile_rows(result)[1]  # the report's rows, under shorter heads
         head = ["residual point", "sublayer", "sigma_min", "ratio", "step", "init_ratio"]
         lines += render.text_table(head, rows, right=(2, 3, 4, 5))
-    s = result["summary"]
-    lines += [
-        "",
-        f"sigma_min_ratio_min {fmt(s['sigma_min_ratio_min'], '.4g')} at {s['worst_point']}; "
-        f"sigma_min_step_min {fmt(s['sigma_min_step_min'], '.4g')}; "
-        f"gamma_alignment_min (LayerNorm) {fmt(s['gamma_alignment_min'], '.6f')}",
-    ]
+    lines += ["", render.summary_line(result)]
     lines += render.source_lines(result)
     if result["alerts"]:
         lines += [f"ALERT {a['rule']}: {a['message']}" for a in result["alerts"]]

@@ -9,8 +9,8 @@ from typing import Any
 
 import normscope
 from normscope.alerts import Alert, default_dead_direction_rules
-from normscope.cli import plots, render
-from normscope.cli.loading import LoadedModel
+from normscope.cli import plots, render, spectrum_plots
+from normscope.cli.loaded import LoadedModel
 from normscope.families.dead_direction import DeadDirectionReport
 
 __all__ = ["PLOTS", "default_alerts", "scan_result", "write_scan_outputs"]
@@ -194,17 +194,22 @@ def write_scan_outputs(result: dict[str, Any], gammas: dict[str, Any], out: Path
     """The four PNGs, ``report.md``, ``report.html`` and ``report.json`` into ``out``."""
     model = result["model"]["class"]
     style = (result["layout"] or {}).get("style")
-    post = " (post-norm: the bound assumes pre-norm)" if style == "post-norm" else ""
     images = {}
     if result["profile"]:
         images["sigma_min_profile.png"] = plots.plot_profile(
             result["profile"], out / "sigma_min_profile.png",
-            title=f"{model}: sigma_min ratio against depth{post}",
+            title=f"{model}: sigma_min ratio against depth", post_norm=style == "post-norm",
         )  # fmt: skip
+    else:
+        result["notes"].append(
+            "sigma_min_profile.png not written: no residual point was read (no sigma_min profile)"
+        )
     images["alignment.png"] = plots.plot_alignment(
-        result["norms"], out / "alignment.png", title=f"{model}: the LayerNorm kernel per layer"
+        result["norms"],
+        out / "alignment.png",
+        title=f"{model}: gamma_alignment and kernel_residual per layer",
     )
-    images["spectrum.png"] = plots.plot_spectrum(
+    images["spectrum.png"] = spectrum_plots.plot_spectrum(
         result["norms"], out / "spectrum.png", title=f"{model}: bottom of each eigen-spectrum"
     )
     dead = {n["name"]: n["dead_index"] for n in result["norms"]}

@@ -9,7 +9,15 @@ from typing import Any
 
 import numpy as np
 
-from normscope.cli.figures import _finite, log_floor, new_figure, save, short_names, titled
+from normscope.cli.figures import (
+    LOG_FLOOR,
+    finite,
+    new_figure,
+    save,
+    say_empty,
+    short_names,
+    titled,
+)
 
 __all__ = ["NULL_TOL", "plot_spectrum", "spectrum_highlights", "spectrum_verdict"]
 
@@ -37,13 +45,13 @@ def spectrum_highlights(norms: Sequence[Mapping[str, Any]]) -> dict[int, str]:
         ...     {"bottom_eigenvalues": [1e-16, 5e-3], "null_dim": 1}])
         {0: 'first', 3: 'final', 1: 'worst'}
     """
-    has = [i for i, n in enumerate(norms) if _finite(n.get("bottom_eigenvalues") or []).size]
+    has = [i for i, n in enumerate(norms) if finite(n.get("bottom_eigenvalues") or []).size]
     if not has:
         return {}
     roles = {has[0]: "first", has[-1]: "final"}
 
     def badness(i: int) -> tuple[int, float]:
-        values = _finite(norms[i]["bottom_eigenvalues"])
+        values = finite(norms[i]["bottom_eigenvalues"])
         null = _null_count(norms[i], values)
         live = values[np.isfinite(values) & (values > NULL_TOL)]
         return null, -(float(live.min()) if live.size else math.inf)
@@ -72,7 +80,7 @@ def spectrum_verdict(norms: Sequence[Mapping[str, Any]]) -> str:
     dead = {name: n.get("dead_channels") for n, name in zip(norms, names)}
     low, where = math.inf, None
     for n, name in zip(norms, names):
-        values = _finite(n.get("bottom_eigenvalues") or [])
+        values = finite(n.get("bottom_eigenvalues") or [])
         if not values.size:
             continue
         counts.setdefault(_null_count(n, values), []).append(name)
@@ -110,14 +118,21 @@ def plot_spectrum(norms: Sequence[Mapping[str, Any]], path: str | Path, *, title
     greys = 0
     lowest, highest, longest = math.inf, 0.0, 1
     drawn = []
-    for i, (n, label) in enumerate(zip(norms, labels)):
-        values = _finite(n.get("bottom_eigenvalues") or [])
-        if not values.size or not np.isfinite(values).any():
+    every = [finite(n.get("bottom_eigenvalues") or []) for n in norms]
+    positive = np.concatenate([v[np.isfinite(v) & (v > 0)] for v in every] + [np.array([])])
+    # one floor for every layer, under the null region: a layer's zeros (a rank-deficient
+    # input's many null eigenvalues) are drawn at the bottom, never above another's live ones
+    floor = max(
+        LOG_FLOOR, min(float(positive.min()) / 10 if positive.size else 1.0, NULL_TOL / 100)
+    )
+    for i, (n, label, raw) in enumerate(zip(norms, labels, every)):
+        if not raw.size or not np.isfinite(raw).any():
             continue
-        values, low, floor = log_floor(values)
+        low = np.isfinite(raw) & (raw <= floor)
+        values = np.where(low, floor, raw)
         lowest, highest = min(lowest, floor), max(highest, float(np.nanmax(values)))
         longest = max(longest, len(values))
-        drawn.append((i, values, low, label, _null_count(n, _finite(n["bottom_eigenvalues"]))))
+        drawn.append((i, values, low, label, _null_count(n, raw)))
     for i, values, low, label, null in sorted(drawn, key=lambda d: d[0] in roles):
         k = np.arange(1, len(values) + 1)
         role = roles.get(i)
@@ -136,6 +151,8 @@ def plot_spectrum(norms: Sequence[Mapping[str, Any]], path: str | Path, *, title
         ax.set_ylim(bottom, highest * 10)
         ax.axhspan(bottom, NULL_TOL, color="tab:red", alpha=0.06, lw=0)
         ax.set_xticks(range(1, longest + 1))
+    if not drawn:
+        say_empty(ax, "no eigen-spectrum: no norm layer had enough rows (2 d) to read one")
     ax.axhline(NULL_TOL, color="tab:red", lw=0.8, ls="--",
                label=f"null_tol {NULL_TOL:g}: below, null (kernel, dead channels)")  # fmt: skip
     ax.set_xlabel("k (k-th smallest eigenvalue of the output covariance C)")
