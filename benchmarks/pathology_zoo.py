@@ -592,7 +592,28 @@ def load(paths: Iterable[str]) -> tuple[dict[str, dict], dict[str, list[dict]]]:
                     reads[r["run"]].append(r)
     for rs in reads.values():
         rs.sort(key=lambda r: r["read"])
+        _derive(rs)
     return runs, reads
+
+
+def _derive(reads: list[dict]) -> None:
+    """Reads the issue proposes, from the saved ground truth: the largest offset share over
+    the residual points, and the largest growth of a point's RMS since the previous read."""
+    prev: dict[str, float] = {}
+    for r in reads:
+        gt = r["gt"]
+        shares = [v for k, v in gt.items() if k.startswith("offset_share/") and _finite(v)]
+        gt["offset_share_max"] = max(shares) if shares else math.nan
+        rms = {k: v for k, v in gt.items() if k.startswith("rms/")}
+        growth = [
+            v / prev[k] for k, v in rms.items() if _finite(v) and _finite(prev.get(k)) and prev[k]
+        ]
+        gt["rms_growth_max"] = max(growth) if growth else math.nan
+        prev = rms
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, float) and math.isfinite(v)
 
 
 def judge_run(meta: Mapping[str, Any], reads: list[dict], rule_set: str) -> dict[str, Any]:
@@ -637,7 +658,8 @@ def _first_read(reads: list[dict], step: int | None) -> dict[str, int] | None:
 
 
 def _med(xs: list[float]) -> str:
-    return f"{statistics.median(xs):g}" if xs else "-"
+    xs = [x for x in xs if not (isinstance(x, float) and math.isnan(x))]
+    return f"{statistics.median(xs):.4g}" if xs else "-"
 
 
 def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, Any]]:
@@ -678,6 +700,8 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
             twin_alerts += sum(len(j["alerts"]) for _, j in patho)
             twin_reads += sum(j["reads"] for _, j in patho)
         rules = sorted({a["rule"] for _, j in patho for a in j["alerts"]})
+        last_loss = [_last_loss(m) for m, _ in patho]
+        twin_loss = [_last_loss(m) for m, _ in twin]
         rows.append(
             [
                 pname,
@@ -690,10 +714,18 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
                 f"{len(loss_reads)}/{n}, read {_med(loss_reads)}; lead {_med(leads)}",
                 f"{twin_alerts} in {twin_reads} reads"
                 + (f" (GT crossed in {twin_gt})" if twin_gt else ""),
+                f"{_med(last_loss)} vs {_med(twin_loss)}",
                 f"{n}",
             ]
         )
     return rows, judged
+
+
+def _last_loss(meta: Mapping[str, Any]) -> float:
+    """The 10-step mean loss at the run's last step (NaN when non-finite)."""
+    last = meta["per_step"][str(max(int(s) for s in meta["per_step"]))]
+    v = _unclean(last.get("loss_smooth", math.nan))
+    return v if _finite(v) else math.nan
 
 
 def _order(name: str) -> int:
@@ -709,6 +741,7 @@ TABLE_HEAD = [
     "alert at or before GT",
     "loss shows it (jump > 1 nat): runs, read; lead of the alert (reads)",
     "twin false alarms",
+    "final loss (10-step mean), pathology vs twin",
     "seeds",
 ]
 
@@ -768,8 +801,53 @@ def separation(runs, reads, top: int = 6) -> dict[tuple[str, str], list[tuple]]:
             fb = [y for y in b if math.isfinite(y)]
             scored.append((score, k, _med(fa) if fa else "nan", _med(fb) if fb else "nan", len(a)))
         scored.sort(key=lambda s: (-s[0], _spread(s)))
-        out[(pname, norm)] = scored
+        twins = list(arms.get("twin", {}).values())
+        sick = list(arms.get("pathology", {}).values())
+        out[(pname, norm)] = [(*s, _sustained_exit(s[1], sick, twins)) for s in scored]
     return out
+
+
+def _flat(r: dict) -> dict[str, Any]:
+    """A read's ``dd/`` keys with their extremes over layers, and its ground truth as ``gt:``."""
+    if "_flat" not in r:
+        r["_flat"] = {
+            **_with_layer_extremes(r["metrics"]),
+            **{f"gt:{k}": v for k, v in r["gt"].items()},
+        }
+    return r["_flat"]
+
+
+def _sustained_exit(key: str, sick: list[list[dict]], twins: list[list[dict]]) -> str:
+    """The read from which ``key`` stays outside the twins' envelope (their min..max over seeds
+    at the same read; a non-finite value where every twin is finite is outside) to the end of
+    the run: the median over the pathology's seeds and how many seeds have one. Inside the
+    envelope at some later read resets it, so chance exits of an unrelated key rarely count."""
+    env: dict[int, tuple[float, float]] = {}
+    for tr in twins:
+        for r in tr:
+            v = _flat(r).get(key)
+            if not isinstance(v, float):
+                continue
+            lo, hi = env.get(r["read"], (math.inf, -math.inf))
+            if not math.isfinite(v):
+                lo, hi = -math.inf, math.inf  # a twin non-finite here: nothing is outside
+            env[r["read"]] = (min(lo, v), max(hi, v))
+    firsts = []
+    for pr in sick:
+        first = None
+        for r in pr:
+            v = _flat(r).get(key)
+            e = env.get(r["read"])
+            if not isinstance(v, float) or e is None:
+                continue
+            outside = (not math.isfinite(v)) or v < e[0] or v > e[1]
+            if outside and first is None:
+                first = r["read"]
+            elif not outside:
+                first = None
+        if first is not None:
+            firsts.append(first)
+    return f"{len(firsts)}/{len(sick)} from read {_med(firsts)}" if firsts else f"0/{len(sick)}"
 
 
 def _with_layer_extremes(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -809,19 +887,30 @@ def report(paths: list[str], rule_sets: list[str], top: int = 8) -> dict[str, An
     out["live_alerts"], out["today_replayed"] = live, replayed
     sep = separation(runs, reads)
     out["separation"] = {f"{k[0]} {k[1]}": v for k, v in sep.items()}
-    print("\n## keys that separate the pathology from its twin (at the GT crossing read)\n")
+    print(
+        "\n## keys that separate the pathology from its twin: medians at the GT crossing read, "
+        "pathology vs twin (pair ordering, 1 = every seed pair; the read from which the key stays "
+        "outside the twins' range)\n"
+    )
     for (pname, norm), scored in sorted(sep.items(), key=lambda kv: (_order(kv[0][0]), kv[0][1])):
-        dd = [s for s in scored if s[1].startswith("dd")][:top]
-        gt = [s for s in scored if s[1].startswith("gt:")][:4]
-        cell = "; ".join(f"`{k}` {a} vs {b} ({sc:.2f})" for sc, k, a, b, _ in dd)
-        print(f"- {pname} {norm}: {cell}")
-        print(
-            "  ground truth: " + "; ".join(f"`{k}` {a} vs {b} ({sc:.2f})" for sc, k, a, b, _ in gt)
-        )
+        # run-level keys and each per-layer metric's extreme over layers (not every layer)
+        dd = [s for s in scored if s[1].startswith("dd") and s[1].count("/") == 1]
+        dd = dd + [s for s in scored if s[1].startswith("dd/*/")]
+        dd.sort(key=lambda s: (-s[0], _spread(s)))
+        dd = dd[:top]
+        gt = [s for s in scored if s[1].startswith("gt:") and "/" not in s[1]]
+        gt = [s for s in gt if s[1] not in ("gt:lr", "gt:loss")][:5]  # lr: a setting
+        print(f"- {pname} {norm}: " + "; ".join(_sep_cell(s) for s in dd))
+        print("  ground truth and candidate reads: " + "; ".join(_sep_cell(s) for s in gt))
     walls = [m["wall_s"] for m in runs.values()]
     if walls:
         print(f"\nrun wall time: median {statistics.median(walls):.1f} s, total {sum(walls):.0f} s")
     return out
+
+
+def _sep_cell(s: tuple) -> str:
+    score, key, a, b, _n, exit_ = s
+    return f"`{key}` {a} vs {b} ({score:.2f}; outside the twins {exit_})"
 
 
 def _md(head: list[str], rows: list[list[str]]) -> str:
@@ -848,7 +937,7 @@ def plan(quick: bool, seeds: int, only: list[str] | None, norms: list[str] | Non
 
 
 #: steps per run with ``--quick`` (the rest: 20)
-QUICK_STEPS = {"nonfinite": 42, "ssl_collapse": 22, "ssl_collapse_nobias": 22, "rank_collapse": 12}
+QUICK_STEPS = {"nonfinite": 52, "ssl_collapse": 22, "ssl_collapse_nobias": 22, "rank_collapse": 12}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
