@@ -19,20 +19,20 @@ weight decay 0.1 on matrices, none on vectors (unless a pathology says otherwise
 
 **Pathologies** (``PATHOLOGIES``; each has a twin: same model, data and seed, its cause
 removed): ``ssl_collapse`` and ``ssl_collapse_nobias`` (two noisy views made to agree, no
-stop-gradient, no negatives; twin: InfoNCE, the batch's other tokens as negatives), ``lr_divergence_warmup`` and
-``lr_divergence`` (a peak learning rate too high, reached through a linear warm-up or at once;
-twin: 1e-3 on the same schedule), ``gain_decay`` (decoupled weight decay on the norm gains;
-twin: none), ``nonfinite`` (one sequence's embedding NaN at one step: a bad batch; twin: no NaN),
-``logit_growth`` (Wortsman et al. 2023: a high learning rate without qk-layernorm; twin: with
-qk-layernorm), ``rank_collapse`` (Dong et al. 2021: blocks without identity skips, token
-representations collapse to rank one; twin: with skips), ``post_norm`` (the control, a
-post-norm model; twin: the same pre-norm: both must stay quiet).
+stop-gradient, no negatives; twin: InfoNCE, the batch's other tokens as negatives),
+``lr_divergence_warmup`` and ``lr_divergence`` (peak learning rate 1.0, reached through a
+linear warm-up or at once; twin: 1e-3 on the same schedule), ``gain_decay`` (decoupled
+weight decay on the norm gains; twin: none), ``nonfinite`` (one sequence's embedding NaN at one
+step: a bad batch; twin: no NaN), ``logit_growth`` (Wortsman et al. 2023: a high learning rate
+without qk-layernorm; twin: with qk-layernorm), ``rank_collapse`` (Dong et al. 2021: blocks
+without identity skips, token representations collapse to rank one; twin: with skips),
+``post_norm`` (the control, a post-norm model; twin: the same pre-norm: both must stay quiet).
 
 **Ground truth** (``GroundTruth``: forward hooks and the module's own tensors, never normscope),
-per optimiser step: the loss and its jump over the run's best so far; the fraction of
-non-finite rows of the final stream; the std of the L2-normalised SSL embeddings (x sqrt(d):
-1 for an isotropic spread, 0 when collapsed); RankMe (Garrido et al. 2023) of the final norm's
-output; the offset share ``||mean row||^2 / mean ||row||^2`` of every residual point (each norm
+per optimiser step: the loss, its 10-step mean and that mean's rise over its best so far; the
+fraction of non-finite rows of the final stream; the std of the L2-normalised SSL embeddings
+(x sqrt(d): 1 for an isotropic spread, 0 when collapsed); RankMe (Garrido et al. 2023) of the
+final norm's output; the offset share ``||mean row||^2 / mean ||row||^2`` of every residual point (each norm
 layer's input); each point's RMS; the median |gain| over all norm layers against its initial
 value and the share of gains whose sign flipped; the largest |pre-softmax attention logit| and
 the smallest mean attention entropy over layers; Dong et al.'s relative residual of each
@@ -44,8 +44,13 @@ the monitor logged at that read, the ground truth at that read's step, the alert
 monitor fired there) and one ``{"type": "run"}`` line per run (the whole per-step ground truth,
 the monitor's rule layout, its ``alerts_fired``, wall time). ``--judge`` replays the reads
 through a rule set from ``RULE_SETS`` (``today``: what ``DeadDirectionMonitor`` runs, rebuilt by
-``normscope.alerts.default_dead_direction_rules``; more by ``register_rule_set``) and prints the
-zoo table and the ``dd/`` keys that separate each pathology from its twin.
+``normscope.alerts.default_dead_direction_rules``; ``sigma_min``: ``SigmaMinRatioRule()`` on
+every run) and prints the zoo table and the keys that separate each pathology from its twin.
+A new rule set: ``@register_rule_set("name")`` on ``fn(run meta) -> [rules]`` (each with
+``evaluate(metrics, step) -> [Alert]``), here or in a ``--plugin`` file, whose code runs with
+``register_rule_set`` in scope; the meta holds the monitor's ``kinds`` and ``sublayers``.
+A read's ``step`` is the batch it consumed; the monitor logs it, and judges it, at ``log_step``
+(``trainer.global_step``, one more).
 """
 
 from __future__ import annotations
