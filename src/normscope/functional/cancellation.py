@@ -32,6 +32,7 @@ from einops import rearrange
 from normscope.functional._rows import check_dim
 from normscope.functional.covariance import symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
+from normscope.functional.premise import POST_NORM, check_placement
 
 __all__ = ["StreamingCrossMoment", "no_cancellation_margin"]
 
@@ -153,6 +154,7 @@ def no_cancellation_margin(
     n_rows: int,
     *,
     previous_lambda_min: float | None = None,
+    placement: str = "pre",
 ) -> tuple[float, str | None]:
     """``lambda_min(M_k) / lambda_min(S_{k-1})`` and why it is NaN (None when it is not).
 
@@ -163,9 +165,11 @@ def no_cancellation_margin(
         n_rows: row pairs behind ``M_k``; below ``2 d`` the margin is NaN.
         previous_lambda_min: ``lambda_min(S_{k-1})`` when it is already known (a profile read
             it: ``sigma_min(p_{k-1})^2``); None solves for it here.
+        placement: ``"pre"`` (default) or ``"post"``: with post-norm blocks the points are no
+            identity-skip stream, so the margin is NaN with reason ``"post_norm"``.
 
     Returns:
-        ``(margin, reason)``; ``reason`` is ``"insufficient_rows"``,
+        ``(margin, reason)``; ``reason`` is ``"post_norm"``, ``"insufficient_rows"``,
         ``"non_finite_moment"``, ``"previous_point_unavailable"`` (``lambda_min(S_{k-1})`` is
         0, negative by rounding, or NaN) or ``"eigh_failed"``.
 
@@ -184,6 +188,8 @@ def no_cancellation_margin(
             f"is {tuple(s.shape)}; they must match"
         )
     n = row_count(n_rows, "no_cancellation_margin")
+    if check_placement(placement, "no_cancellation_margin") == "post":
+        return _NAN, POST_NORM
     if n < 2 * m.shape[0]:
         return _NAN, "insufficient_rows"
     if not bool(torch.isfinite(m).all()):
