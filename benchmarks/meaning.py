@@ -1,0 +1,181 @@
+"""Issue 33's measurements, side by side, on the snapshots of ``benchmarks/meaning_collect.py``.
+
+    python -m benchmarks.meaning_collect --width 128 --norm layernorm --seed 0   # (see there)
+    python -m benchmarks.meaning --runs /tmp/meaning_runs
+
+1. ``delta_gamma``: for every LayerNorm input of every healthy run and snapshot, the old read
+   (the Schur complement along a direction, ``deepening`` against step 0) and the new one
+   (:func:`normscope.functional.depth.direction_depth`), each for ``v*``, for a seeded random
+   direction (the control) and for ``v*`` of random log-normal gains (sigma 0.5), plus ``v*``
+   read on the same covariance rotated at random.
+3. cancellation: at every sublayer (pair of consecutive residual points) the old
+   ``no_cancellation_margin``, the retention pencil
+   (:func:`normscope.functional.cancellation.sublayer_retention`) and the ``sigma_min`` step,
+   on healthy sublayers against the cancelling one (block 2's MLP from step 100 in the
+   ``--cancel-at`` runs), and on healthy snapshots with a cancellation planted analytically
+   (``x_k -> x_k - s x_{k-1} P``, ``P`` a random rank-``r`` projector: the moments follow
+   exactly from ``S_{k-1}``, ``S_k`` and the cross-moment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from normscope.functional import schur_quotient
+from normscope.functional.cancellation import no_cancellation_margin, sublayer_retention
+from normscope.functional.depth import direction_depth
+
+NAME = re.compile(r"(\w+?)_w(\d+)_s(\d+)(_cancel(\d+))?_step(\d+)\.npz")
+CANCEL_POINT = 6  # p_6 = input of h.3.ln_1: after block 2's MLP, the cancelling sublayer
+
+
+def snapshots(root: str):
+    for f in sorted(glob.glob(f"{root}/*.npz")):
+        m = NAME.search(Path(f).name)
+        if m is None:
+            continue
+        norm, w, seed, _, cancel_at, step = m.groups()
+        yield dict(
+            norm=norm, width=int(w), seed=int(seed), step=int(step),
+            cancel_at=int(cancel_at) if cancel_at else None,
+        ), np.load(f)  # fmt: skip
+
+
+def t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64))
+
+
+def gain_v(d: int, rng: np.random.Generator) -> torch.Tensor:
+    return t(np.exp(0.5 * rng.standard_normal(d)))
+
+
+def span(values) -> str:
+    v = np.asarray(list(values), dtype=float)
+    v = v[np.isfinite(v)]
+    return f"{v.min():8.3g} .. {v.max():<8.3g}" if v.size else "     nan"
+
+
+def delta_gamma_table(root: str) -> None:
+    print("## 1. delta_gamma: old (deepening vs step 0) against depth beyond the typical direction")
+    rows = defaultdict(list)
+    base: dict = {}
+    rng = np.random.default_rng(0)
+    for meta, z in snapshots(root):
+        if meta["norm"] != "layernorm" or meta["cancel_at"] is not None:
+            continue
+        d = meta["width"]
+        n = int(z["n_rows"])
+        for k, name in enumerate(z["names"]):
+            c = z[f"S{k}"] - np.outer(z[f"mu{k}"], z[f"mu{k}"])
+            gamma = t(z[f"gamma{k}"])
+            r = torch.randn(d, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+            key = (d, meta["seed"], k)
+            old_v = schur_quotient(t(c), gamma, n).schur_complement
+            old_r = schur_quotient(t(c), 1 / r, n).schur_complement  # v* of 1/r is r
+            if meta["step"] == 0:
+                base[key] = (old_v, old_r)
+            b = base.get(key, (math.nan, math.nan))
+            new = direction_depth(t(c), gamma, n, control_seed=k)
+            rgain = direction_depth(t(c), gain_v(d, rng), n)
+            q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+            rot = direction_depth(t(q @ c @ q.T), gamma, n)
+            rows[d, meta["step"], name == "h.0.ln_1"].append(
+                (b[0] / old_v, b[1] / old_r, new.depth, new.control_depth, new.depth_sd,
+                 rgain.depth, rot.depth, new.delta_gamma, new.control_delta_gamma)
+            )  # fmt: skip
+    print(
+        "| d | step | layers | old deepening v* | old deepening random | depth v* (decades) "
+        "| control depth | depth_sd | random-gain v* depth | v* on rotated data "
+        "| delta_gamma v* | delta_gamma control |"
+    )
+    print("|" + "---|" * 13)
+    for (d, step, first), vals in sorted(rows.items()):
+        cols = list(zip(*vals))
+        print(
+            f"| {d} | {step} | {'h.0.ln_1' if first else 'others'} | "
+            + " | ".join(span(c) for c in cols)
+            + " |"
+        )
+
+
+def retention_table(root: str) -> None:
+    print("\n## 3. cancellation: healthy sublayers against the cancelling one")
+    healthy, cancelling = defaultdict(list), defaultdict(list)
+    planted = defaultdict(list)
+    rng = np.random.default_rng(1)
+    for meta, z in snapshots(root):
+        d, n = meta["width"], int(z["n_rows"])
+        for k in range(1, len(z["names"])):
+            sp, sk, xc = z[f"S{k - 1}"], z[f"S{k}"], z[f"X{k}"]
+            g = xc - sp  # X_{k-1}^T F / N
+            margin, _ = no_cancellation_margin(t(g + g.T), t(sp), n)
+            ret = sublayer_retention(t(sp), t(sk), n)
+            step2 = np.linalg.eigvalsh((sk + sk.T) / 2)[0] / np.linalg.eigvalsh((sp + sp.T) / 2)[0]
+            row = (margin, ret.retention, ret.retention_min, math.sqrt(max(step2, 0.0)))
+            bad = meta["cancel_at"] is not None and meta["step"] >= meta["cancel_at"]
+            if bad and k == CANCEL_POINT:
+                cancelling[meta["norm"], d].append(row)
+                continue
+            healthy[meta["norm"], d].append(row)
+            if meta["cancel_at"] is None and meta["step"] > 0:
+                for r, s in ((1, 0.95), (4, 0.8), (8, 0.95)):
+                    q = np.linalg.qr(rng.standard_normal((d, r)))[0]
+                    p = q @ q.T
+                    sk2 = sk - s * (xc.T @ p + p @ xc) + s**2 * p @ sp @ p
+                    low = np.linalg.eigvalsh((sk2 + sk2.T) / 2)[0] / np.linalg.eigvalsh(sp)[0]
+                    pr = sublayer_retention(t(sp), t(sk2), n)
+                    planted[r, s].append((pr.retention, math.sqrt(max(low, 0.0)), d, meta["norm"]))
+    print(
+        "| norm | d | healthy sublayers | margin healthy | margin cancelling | retention healthy "
+        "(min) | retention cancelling (max) | gap | sigma_min step healthy (min) "
+        "| step cancelling (max) |"
+    )
+    print("|" + "---|" * 10)
+    floors = {}
+    for key in sorted(healthy):
+        h, c = np.array(healthy[key]), np.array(cancelling.get(key, [[math.nan] * 4]))
+        floors[key] = h[:, 1].min()
+        gap = h[:, 1].min() / np.nanmax(c[:, 1])
+        print(
+            f"| {key[0]} | {key[1]} | {len(h)} | {span(h[:, 0])} | {span(c[:, 0])} | "
+            f"{h[:, 1].min():.2e} | {np.nanmax(c[:, 1]):.2e} | {gap:.1f}x | "
+            f"{h[:, 3].min():.3f} | {np.nanmax(c[:, 3]):.3f} |"
+        )
+    allh = np.concatenate([np.array(v) for v in healthy.values()])
+    print(
+        f"\nall healthy sublayers: {len(allh)}, retention min {allh[:, 1].min():.2e}, "
+        f"p1 {np.percentile(allh[:, 1], 1):.2e}; sigma_min step min {allh[:, 3].min():.3f}"
+    )
+    floor_r, floor_s = allh[:, 1].min(), allh[:, 3].min()
+    print("\nplanted on healthy trained snapshots (share read below the healthy minimum):")
+    for (r, s), vals in sorted(planted.items()):
+        v = np.array([x[:2] for x in vals])
+        print(
+            f"  rank {r}, s = {s}: {len(v)} sublayers; retention median {np.median(v[:, 0]):.2e}, "
+            f"below the healthy floor {np.mean(v[:, 0] < floor_r):.0%}; sigma_min step median "
+            f"{np.median(v[:, 1]):.3f}, below its healthy floor {np.mean(v[:, 1] < floor_s):.0%}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default="/tmp/meaning_runs")
+    p.add_argument("--only", choices=["delta_gamma", "retention"], default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.only in (None, "delta_gamma"):
+        delta_gamma_table(args.runs)
+    if args.only in (None, "retention"):
+        retention_table(args.runs)
+
+
+if __name__ == "__main__":
+    main()
