@@ -49,8 +49,9 @@ def test_ratios_anchor_at_the_first_point_that_spans(dtype):
     anchor = np_sigma(moments[1])
     for k in (2, 3):
         assert prof.points[k].reason is None
-        assert prof.points[k].sigma_min_ratio == pytest.approx(np_sigma(moments[k]) / anchor,
-                                                               rel=1e-10)
+        assert prof.points[k].sigma_min_ratio == pytest.approx(
+            np_sigma(moments[k]) / anchor, rel=1e-10
+        )
         assert math.isfinite(prof.points[k].ratio_lo)
     assert prof.reason is None and math.isfinite(prof.sigma_min_ratio_min)
     assert prof.worst_point in names[2:]
