@@ -6,8 +6,9 @@
 1. ``delta_gamma``: for every LayerNorm input of every healthy run and snapshot, the old read
    (the Schur complement along a direction, ``deepening`` against step 0) and the new one
    (:func:`normscope.functional.depth.direction_depth`), each for ``v*``, for a seeded random
-   direction (the control) and for ``v*`` of random log-normal gains (sigma 0.5), plus ``v*``
-   read on the same covariance rotated at random.
+   direction (the control), for ``v*`` of random log-normal gains (sigma 0.5) and for the
+   channel-mean direction ``1/sqrt(d)`` (``v*`` of gains all equal), plus ``v*`` read on the
+   same covariance rotated at random.
 3. cancellation: at every sublayer (pair of consecutive residual points) the old
    ``no_cancellation_margin``, the retention pencil
    (:func:`normscope.functional.cancellation.sublayer_retention`) and the ``sigma_min`` step,
@@ -87,16 +88,17 @@ def delta_gamma_table(root: str) -> None:
             rgain = direction_depth(t(c), gain_v(d, rng), n)
             q = np.linalg.qr(rng.standard_normal((d, d)))[0]
             rot = direction_depth(t(q @ c @ q.T), gamma, n)
+            ones = direction_depth(t(c), torch.ones(d, dtype=torch.float64), n)
             rows[d, meta["step"], name == "h.0.ln_1"].append(
                 (b[0] / old_v, b[1] / old_r, new.depth, new.control_depth, new.depth_sd,
-                 rgain.depth, rot.depth, new.delta_gamma, new.control_delta_gamma)
+                 rgain.depth, ones.depth, rot.depth, new.delta_gamma, new.control_delta_gamma)
             )  # fmt: skip
     print(
         "| d | step | layers | old deepening v* | old deepening random | depth v* (decades) "
-        "| control depth | depth_sd | random-gain v* depth | v* on rotated data "
-        "| delta_gamma v* | delta_gamma control |"
+        "| control depth | depth_sd | random-gain v* depth | mean direction 1/sqrt(d) depth "
+        "| v* on rotated data | delta_gamma v* | delta_gamma control |"
     )
-    print("|" + "---|" * 13)
+    print("|" + "---|" * 14)
     for (d, step, first), vals in sorted(rows.items()):
         cols = list(zip(*vals))
         print(
