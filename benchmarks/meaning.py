@@ -34,6 +34,7 @@ from normscope.functional import schur_quotient
 from normscope.functional.cancellation import no_cancellation_margin, sublayer_retention
 from normscope.functional.depth import direction_depth
 
+KS = (1, 2, 4, 8)
 NAME = re.compile(r"(\w+?)_w(\d+)_s(\d+)(_cancel(\d+))?_step(\d+)\.npz")
 CANCEL_POINT = 6  # p_6 = input of h.3.ln_1: after block 2's MLP, the cancelling sublayer
 
@@ -56,6 +57,11 @@ def t(a: np.ndarray) -> torch.Tensor:
 
 def gain_v(d: int, rng: np.random.Generator) -> torch.Tensor:
     return t(np.exp(0.5 * rng.standard_normal(d)))
+
+
+def gm(values: np.ndarray) -> float:
+    """Geometric mean (0 when a value is 0)."""
+    return float(np.exp(np.log(values).mean())) if values.min() > 0 else 0.0
 
 
 def span(values) -> str:
@@ -112,6 +118,7 @@ def retention_table(root: str) -> None:
     print("\n## 3. cancellation: healthy sublayers against the cancelling one")
     healthy, cancelling = defaultdict(list), defaultdict(list)
     planted = defaultdict(list)
+    ks: dict[bool, list] = {False: [], True: []}
     rng = np.random.default_rng(1)
     for meta, z in snapshots(root):
         d, n = meta["width"], int(z["n_rows"])
@@ -120,6 +127,14 @@ def retention_table(root: str) -> None:
             g = xc - sp  # X_{k-1}^T F / N
             margin, _ = no_cancellation_margin(t(g + g.T), t(sp), n)
             ret = sublayer_retention(t(sp), t(sk), n)
+            b8 = np.array(sublayer_retention(t(sp), t(sk), n, k=8).bottom)
+            ks[
+                bool(
+                    meta["cancel_at"] is not None
+                    and meta["step"] >= meta["cancel_at"]
+                    and k == CANCEL_POINT
+                )
+            ].append([gm(b8[:j]) for j in KS])
             step2 = np.linalg.eigvalsh((sk + sk.T) / 2)[0] / np.linalg.eigvalsh((sp + sp.T) / 2)[0]
             row = (margin, ret.retention, ret.retention_min, math.sqrt(max(step2, 0.0)))
             bad = meta["cancel_at"] is not None and meta["step"] >= meta["cancel_at"]
@@ -133,8 +148,11 @@ def retention_table(root: str) -> None:
                     p = q @ q.T
                     sk2 = sk - s * (xc.T @ p + p @ xc) + s**2 * p @ sp @ p
                     low = np.linalg.eigvalsh((sk2 + sk2.T) / 2)[0] / np.linalg.eigvalsh(sp)[0]
-                    pr = sublayer_retention(t(sp), t(sk2), n)
-                    planted[r, s].append((pr.retention, math.sqrt(max(low, 0.0)), d, meta["norm"]))
+                    pr = sublayer_retention(t(sp), t(sk2), n, k=8)
+                    b = np.array(pr.bottom)
+                    planted[r, s].append(
+                        (gm(b[:4]), math.sqrt(max(low, 0.0)), *[gm(b[:j]) for j in KS])
+                    )
     print(
         "| norm | d | healthy sublayers | margin healthy | margin cancelling | retention healthy "
         "(min) | retention cancelling (max) | gap | sigma_min step healthy (min) "
@@ -157,6 +175,21 @@ def retention_table(root: str) -> None:
         f"p1 {np.percentile(allh[:, 1], 1):.2e}; sigma_min step min {allh[:, 3].min():.3f}"
     )
     floor_r, floor_s = allh[:, 1].min(), allh[:, 3].min()
+    hk, ck = np.array(ks[False]), np.array(ks[True])
+    print(
+        "\nretention over the bottom k pencil eigenvalues (geometric mean), every width and norm:"
+    )
+    for j, k in enumerate(KS):
+        planted_share = {
+            key: np.mean(np.array([x[2 + j] for x in vals]) < hk[:, j].min())
+            for key, vals in planted.items()
+        }
+        print(
+            f"  k = {k}: healthy min {hk[:, j].min():.2e} (p1 {np.percentile(hk[:, j], 1):.2e}),"
+            f" cancelling max {ck[:, j].max():.2e} (gap {hk[:, j].min() / ck[:, j].max():.1f}x);"
+            " planted below the healthy min: "
+            + ", ".join(f"rank {r} s {sv}: {v:.0%}" for (r, sv), v in sorted(planted_share.items()))
+        )
     print("\nplanted on healthy trained snapshots (share read below the healthy minimum):")
     for (r, s), vals in sorted(planted.items()):
         v = np.array([x[:2] for x in vals])
