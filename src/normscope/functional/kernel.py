@@ -72,8 +72,8 @@ class KernelRead:
       ``"rmsnorm-like"`` when it is ``>= 1e-4``; else ``"indeterminate"`` -- also whenever
       ``reason`` is set: with dead channels both kinds have the ``e_i`` in their kernel, so
       the kernel cannot tell them apart. (Until issue 33 the class was decided by
-      ``kernel_residual``, whose ``lambda_d`` uneven gains inflate: 30 of 104 reads were
-      undecided; ``benchmarks/classifier_sweep.py``.)
+      ``kernel_residual``, whose ``lambda_d`` uneven gains inflate: 35 of 240 reads of
+      ``benchmarks/classifier_sweep.py`` were undecided, 0 now.)
     * ``kind_mismatch``: ``declared_kind`` was given and ``norm_class`` is the *other* kind's
       class (``"indeterminate"`` is no mismatch).
 
@@ -279,8 +279,8 @@ def centring_residual(covariance: torch.Tensor, gamma: torch.Tensor | GammaRead)
     ``z = x / rms(x)`` does not depend on the gains at all, so neither does its residual
     (measured 0.17 to 1.7 on the same sweep). ``1^T C_z 1 = ||gamma^-1||^2 v*^T C v*``: the
     numerator of ``kernel_residual``, normalised by the gain-free scale instead of
-    ``lambda_d``, which uneven gains inflate (an RMSNorm with log-normal sigma = 2 gains read
-    ``kernel_residual`` 4e-9 to 6e-5, inside the undecided band).
+    ``lambda_d``, which uneven gains inflate (RMSNorms with log-normal sigma = 1-2 gains read
+    ``kernel_residual`` 4e-10 to 3e-4, inside the undecided band).
 
     Args:
         covariance: ``C`` ``(d, d)``, the centred covariance of the norm's output.
