@@ -148,8 +148,10 @@ def direction_depth(
     ``depth_sd``); so does ``v*`` of random gains on data unrelated to them, and ``v*`` on data
     rotated at random.
 
-    One dense float64 ``eigh`` of ``C_h`` (``O(d^3)``; at d = 1024 about 0.3 s on one CPU
-    core).
+    One dense float64 ``eigh`` of ``C_h`` (``O(d^3)``): measured on one shared CPU core
+    0.015 s at d = 256 and 0.9 s at d = 1024, about 3x :func:`schur_quotient`'s Cholesky
+    route. (Larger widths would want ``v*^T log(C) v`` by Lanczos quadrature from ``v*`` and
+    ``log det C`` from a Cholesky factor; not written.)
 
     Args:
         input_covariance: ``C_h`` ``(d, d)``, the centred covariance of the norm's input.
