@@ -136,7 +136,10 @@ def retention_table(root: str) -> None:
                 )
             ].append([gm(b8[:j]) for j in KS])
             step2 = np.linalg.eigvalsh((sk + sk.T) / 2)[0] / np.linalg.eigvalsh((sp + sp.T) / 2)[0]
-            row = (margin, ret.retention, ret.retention_min, math.sqrt(max(step2, 0.0)))
+            row = (
+                margin, ret.retention, ret.retention_min, math.sqrt(max(step2, 0.0)),
+                ret.cancelled_dims,
+            )  # fmt: skip
             bad = meta["cancel_at"] is not None and meta["step"] >= meta["cancel_at"]
             if bad and k == CANCEL_POINT:
                 cancelling[meta["norm"], d].append(row)
@@ -151,28 +154,33 @@ def retention_table(root: str) -> None:
                     pr = sublayer_retention(t(sp), t(sk2), n, k=8)
                     b = np.array(pr.bottom)
                     planted[r, s].append(
-                        (gm(b[:4]), math.sqrt(max(low, 0.0)), *[gm(b[:j]) for j in KS])
-                    )
+                        (gm(b[:4]), math.sqrt(max(low, 0.0)), *[gm(b[:j]) for j in KS],
+                         pr.cancelled_dims)
+                    )  # fmt: skip
     print(
         "| norm | d | healthy sublayers | margin healthy | margin cancelling | retention healthy "
         "(min) | retention cancelling (max) | gap | sigma_min step healthy (min) "
-        "| step cancelling (max) |"
+        "| step cancelling (max) | cancelled_dims healthy (max) | cancelled_dims cancelling |"
     )
-    print("|" + "---|" * 10)
+    print("|" + "---|" * 12)
     floors = {}
     for key in sorted(healthy):
-        h, c = np.array(healthy[key]), np.array(cancelling.get(key, [[math.nan] * 4]))
+        if key not in cancelling:
+            continue  # its cancelling run is not in the folder yet
+        h, c = np.array(healthy[key]), np.array(cancelling[key])
         floors[key] = h[:, 1].min()
         gap = h[:, 1].min() / np.nanmax(c[:, 1])
         print(
             f"| {key[0]} | {key[1]} | {len(h)} | {span(h[:, 0])} | {span(c[:, 0])} | "
             f"{h[:, 1].min():.2e} | {np.nanmax(c[:, 1]):.2e} | {gap:.1f}x | "
-            f"{h[:, 3].min():.3f} | {np.nanmax(c[:, 3]):.3f} |"
+            f"{h[:, 3].min():.3f} | {np.nanmax(c[:, 3]):.3f} | {int(h[:, 4].max())} | "
+            f"{span(c[:, 4])} |"
         )
     allh = np.concatenate([np.array(v) for v in healthy.values()])
     print(
         f"\nall healthy sublayers: {len(allh)}, retention min {allh[:, 1].min():.2e}, "
-        f"p1 {np.percentile(allh[:, 1], 1):.2e}; sigma_min step min {allh[:, 3].min():.3f}"
+        f"p1 {np.percentile(allh[:, 1], 1):.2e}; sigma_min step min {allh[:, 3].min():.3f}; "
+        f"cancelled_dims histogram {np.bincount(allh[:, 4].astype(int)).tolist()}"
     )
     floor_r, floor_s = allh[:, 1].min(), allh[:, 3].min()
     hk, ck = np.array(ks[False]), np.array(ks[True])
@@ -196,7 +204,9 @@ def retention_table(root: str) -> None:
         print(
             f"  rank {r}, s = {s}: {len(v)} sublayers; retention median {np.median(v[:, 0]):.2e}, "
             f"below the healthy floor {np.mean(v[:, 0] < floor_r):.0%}; sigma_min step median "
-            f"{np.median(v[:, 1]):.3f}, below its healthy floor {np.mean(v[:, 1] < floor_s):.0%}"
+            f"{np.median(v[:, 1]):.3f}, below its healthy floor {np.mean(v[:, 1] < floor_s):.0%};"
+            f" cancelled_dims above the healthy max "
+            f"{np.mean(np.array([x[-1] for x in vals]) > allh[:, 4].max()):.0%}"
         )
 
 

@@ -35,6 +35,7 @@ def test_pencil_matches_scipy(seed):
     read = sublayer_retention(torch.from_numpy(a), torch.from_numpy(b), 4 * d, k=5)
     ref = scipy.linalg.eigh(b, a, eigvals_only=True)
     assert read.reason is None and read.live_dim == d
+    assert read.cancelled_dims == int((ref < 0.01).sum())
     assert read.bottom == pytest.approx(ref[:5], rel=1e-8)
     assert read.retention_min == pytest.approx(ref[0], rel=1e-8)
     assert read.retention == pytest.approx(math.exp(np.log(ref[:5]).mean()), rel=1e-8)
@@ -53,7 +54,13 @@ def test_planted_cancellation_reads_one_minus_s_squared():
     read = sublayer_retention(torch.from_numpy(a), torch.from_numpy(b), 4 * d)
     assert read.retention == pytest.approx((1 - s) ** 2, rel=1e-12)
     assert read.retention_min == pytest.approx((1 - s) ** 2, rel=1e-12)
-    assert not read.loewner
+    assert not read.loewner and read.cancelled_dims == 6
+    assert (
+        sublayer_retention(
+            torch.from_numpy(a), torch.from_numpy(b), 4 * d, cut=0.005
+        ).cancelled_dims
+        == 0
+    )
 
 
 def test_a_branch_that_only_adds_keeps_everything():

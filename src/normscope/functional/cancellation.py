@@ -213,6 +213,7 @@ RETENTION_K = 4  # the bottom pencil eigenvalues whose geometric mean is ``reten
 # rho_1 >= 1 - LOEWNER_TOL reads as S_k >= S_{k-1}: the pencil's rounding is about
 # eps * kappa(S_{k-1}), 2e-10 at kappa = 1e6
 LOEWNER_TOL = 1e-9
+RETENTION_CUT = 0.01  # cancelled_dims: pencil eigenvalues under 1% (a direction cut to 1%)
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,8 @@ class RetentionRead:
     * ``retention_min``: ``rho_1`` alone;
     * ``loewner``: ``rho_1 >= 1 - 1e-9`` (rounding), i.e. ``S_k >= S_{k-1}``: the exact premise of "``sigma_min``
       cannot fall" (weaker than ``M_k >= 0``), which healthy sublayers rarely meet;
+    * ``cancelled_dims``: how many ``rho_i`` are under ``cut`` (default 0.01): the number of
+      directions the sublayer cuts to under 1% of their energy (NaN when not read);
     * ``bottom``: ``rho_1 .. rho_k``; ``live_dim``: the dimension of ``S_{k-1}``'s live
       subspace the pencil is read on (``< d`` when the stream does not span).
 
@@ -245,9 +248,14 @@ class RetentionRead:
     live_dim: int
     n_rows: int
     reason: str | None
+    cancelled_dims: int | float = _NAN
 
     def as_dict(self) -> dict[str, float]:
-        return {"retention": self.retention, "retention_min": self.retention_min}
+        return {
+            "retention": self.retention,
+            "retention_min": self.retention_min,
+            "cancelled_dims": float(self.cancelled_dims),
+        }
 
 
 def sublayer_retention(
@@ -257,6 +265,7 @@ def sublayer_retention(
     *,
     k: int = RETENTION_K,
     live_tol: float = 1e-10,
+    cut: float = RETENTION_CUT,
     placement: str = "pre",
 ) -> RetentionRead:
     """The retention pencil of one sublayer: ``rho_i`` of ``(S_k, S_{k-1})``, their bottom
@@ -274,6 +283,7 @@ def sublayer_retention(
         k: how many bottom pencil eigenvalues ``retention`` averages (geometrically).
         live_tol: ``S_{k-1}``'s eigenvalues ``<= live_tol * lambda_max`` are dead directions,
             left out of the pencil.
+        cut: ``cancelled_dims`` counts the pencil eigenvalues under it.
         placement: ``"post"`` reads NaN with reason ``"post_norm"`` (no identity skip).
 
     Returns:
@@ -287,6 +297,8 @@ def sublayer_retention(
         >>> read = sublayer_retention(s_prev, s_prev * keep, 8, k=2)
         >>> round(read.retention_min, 6), round(read.retention, 6), read.loewner  # sqrt(0.01 * 1)
         (0.01, 0.1, False)
+        >>> sublayer_retention(s_prev, s_prev * keep, 8, cut=0.02).cancelled_dims
+        1
     """
     a = square_matrix(previous_second_moment, "sublayer_retention", "previous_second_moment")
     b = square_matrix(second_moment, "sublayer_retention", "second_moment")
@@ -329,4 +341,7 @@ def sublayer_retention(
     low = float(bottom[0])
     gm = float(torch.exp(torch.log(bottom).mean())) if low > 0 else 0.0
     holds = low >= 1.0 - LOEWNER_TOL
-    return RetentionRead(gm, low, holds, tuple(bottom.tolist()), int(live.sum()), n, None)
+    cancelled = int((rho < cut).sum())
+    return RetentionRead(
+        gm, low, holds, tuple(bottom.tolist()), int(live.sum()), n, None, cancelled
+    )
