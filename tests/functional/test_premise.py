@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from normscope.functional import POST_NORM, direction_depth, schur_quotient
-from normscope.functional.cancellation import no_cancellation_margin
+from normscope.functional.cancellation import no_cancellation_margin, sublayer_retention
 from normscope.functional.premise import check_placement
+from normscope.functional.profile import sigma_min_profile
 
 torch.set_num_threads(1)
 
@@ -42,3 +43,11 @@ def test_unknown_placement_raises(bad):
         check_placement(bad, "here")
     with pytest.raises(ValueError, match="placement"):
         schur_quotient(C, torch.ones(4), 8, placement=bad)
+
+
+def test_profile_and_retention_post_norm_are_nan_with_reason():
+    prof = sigma_min_profile(["a", "b"], [C, 2 * C], [8, 8], [None, "mlp"], placement="post")
+    assert prof.reason == "post_norm" and prof.worst_point is None
+    assert all(p.reason == "post_norm" and math.isnan(p.sigma_min_ratio) for p in prof.points)
+    assert prof.points[1].sigma_min == pytest.approx(math.sqrt(2.0))  # the value is still read
+    assert sublayer_retention(C, C, 8, placement="post").reason == "post_norm"

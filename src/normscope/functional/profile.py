@@ -33,6 +33,7 @@ import torch
 
 from normscope.functional.covariance import symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
+from normscope.functional.premise import POST_NORM, check_placement
 from normscope.functional.solvers import bottom_eigh, check_solver, use_fast
 
 __all__ = [
@@ -282,6 +283,7 @@ def sigma_min_profile(
     sublayers: Sequence[str | None],
     *,
     solver: str = "fast",
+    placement: str = "pre",
 ) -> SigmaMinProfile:
     """``sigma_min``, cumulative ratio and step at every residual point, in forward order.
 
@@ -292,6 +294,9 @@ def sigma_min_profile(
         n_rows: each point's row count.
         sublayers: what lies before each point (``"attn"``, ``"mlp"``, ``"block"``, None).
         solver: ``"fast"`` or ``"dense"``, as for :func:`sigma_min`.
+        placement: ``"pre"`` (default) or ``"post"``: with post-norm blocks the points are no
+            identity-skip stream, so every ratio and step is NaN with reason ``"post_norm"``
+            (the ``sigma_min`` values are still given).
 
     Returns:
         A :class:`SigmaMinProfile`. When ``p_0``'s ``sigma_min`` is NaN (or 0) every ratio and
@@ -321,6 +326,7 @@ def sigma_min_profile(
         dupes = sorted({n for n in names if list(names).count(n) > 1})
         raise ValueError(f"sigma_min_profile: point names must be distinct, repeated: {dupes}")
     check_solver(solver, "sigma_min_profile")
+    check_placement(placement, "sigma_min_profile")
     if not names:
         return SigmaMinProfile((), _NAN, None, "no_points")
 
@@ -332,6 +338,7 @@ def sigma_min_profile(
         [row_count(n, "sigma_min_profile") for n in n_rows],
         [m.shape[-1] for m in second_moments],
         dense_fallbacks=sum(f for _, _, f in reads),
+        placement=placement,
     )
 
 
@@ -343,6 +350,7 @@ def profile_from_sigmas(
     dims: Sequence[int],
     *,
     dense_fallbacks: int = 0,
+    placement: str = "pre",
 ) -> SigmaMinProfile:
     """The profile from each point's solved ``(sigma_min, reason)``, row count and width:
     what :func:`sigma_min_profile` builds once its points are solved (a read split across
@@ -358,6 +366,16 @@ def profile_from_sigmas(
     if not names:
         return SigmaMinProfile((), _NAN, None, "no_points", dense_fallbacks=dense_fallbacks)
     fb = dense_fallbacks
+    if check_placement(placement, "profile_from_sigmas") == "post":
+        pts = tuple(
+            ProfilePoint(
+                name, k, sub, value, _NAN, _NAN, int(n), POST_NORM, n / dim if dim else _NAN
+            )
+            for k, (name, sub, (value, _), n, dim) in enumerate(
+                zip(names, sublayers, sigmas, n_rows, dims)
+            )
+        )
+        return SigmaMinProfile(pts, _NAN, None, POST_NORM, dense_fallbacks=fb)
     # The anchor: p_0, or past leading points whose rows do not span (reason rank_deficient)
     a = 0
     while a < len(sigmas) - 1 and sigmas[a][1] == RANK_DEFICIENT:
