@@ -33,6 +33,7 @@ import torch
 from normscope.functional import schur_quotient
 from normscope.functional.cancellation import no_cancellation_margin, sublayer_retention
 from normscope.functional.depth import direction_depth
+from normscope.functional.profile import RANK_TOL, sigma_min_profile
 
 KS = (1, 2, 4, 8)
 NAME = re.compile(r"(\w+?)_w(\d+)_s(\d+)(_cancel(\d+))?_step(\d+)\.npz")
@@ -135,9 +136,12 @@ def retention_table(root: str) -> None:
                     and k == CANCEL_POINT
                 )
             ].append([gm(b8[:j]) for j in KS])
-            step2 = np.linalg.eigvalsh((sk + sk.T) / 2)[0] / np.linalg.eigvalsh((sp + sp.T) / 2)[0]
+            low_prev = np.linalg.eigvalsh((sp + sp.T) / 2)[0]
+            step2 = np.linalg.eigvalsh((sk + sk.T) / 2)[0] / low_prev
+            if low_prev <= RANK_TOL * np.linalg.norm(sp):  # p_{k-1} does not span: no step
+                step2 = math.nan
             row = (
-                margin, ret.retention, ret.retention_min, math.sqrt(max(step2, 0.0)),
+                margin, ret.retention, ret.retention_min, math.sqrt(max(step2, 0.0)) if step2 == step2 else math.nan,
                 ret.cancelled_dims,
             )  # fmt: skip
             bad = meta["cancel_at"] is not None and meta["step"] >= meta["cancel_at"]
@@ -173,16 +177,16 @@ def retention_table(root: str) -> None:
         print(
             f"| {key[0]} | {key[1]} | {len(h)} | {span(h[:, 0])} | {span(c[:, 0])} | "
             f"{h[:, 1].min():.2e} | {np.nanmax(c[:, 1]):.2e} | {gap:.1f}x | "
-            f"{h[:, 3].min():.3f} | {np.nanmax(c[:, 3]):.3f} | {int(h[:, 4].max())} | "
+            f"{np.nanmin(h[:, 3]):.3f} | {np.nanmax(c[:, 3]):.3f} | {int(h[:, 4].max())} | "
             f"{span(c[:, 4])} |"
         )
     allh = np.concatenate([np.array(v) for v in healthy.values()])
     print(
         f"\nall healthy sublayers: {len(allh)}, retention min {allh[:, 1].min():.2e}, "
-        f"p1 {np.percentile(allh[:, 1], 1):.2e}; sigma_min step min {allh[:, 3].min():.3f}; "
+        f"p1 {np.percentile(allh[:, 1], 1):.2e}; sigma_min step min {np.nanmin(allh[:, 3]):.3f}; "
         f"cancelled_dims histogram {np.bincount(allh[:, 4].astype(int)).tolist()}"
     )
-    floor_r, floor_s = allh[:, 1].min(), allh[:, 3].min()
+    floor_r, floor_s = allh[:, 1].min(), np.nanmin(allh[:, 3])
     hk, ck = np.array(ks[False]), np.array(ks[True])
     print(
         "\nretention over the bottom k pencil eigenvalues (geometric mean), every width and norm:"
@@ -207,6 +211,28 @@ def retention_table(root: str) -> None:
             f"{np.median(v[:, 1]):.3f}, below its healthy floor {np.mean(v[:, 1] < floor_s):.0%};"
             f" cancelled_dims above the healthy max "
             f"{np.mean(np.array([x[-1] for x in vals]) > allh[:, 4].max()):.0%}"
+        )
+
+
+def anchor_table(root: str) -> None:
+    """The demo's entry point at d = 256: 4,096 rows of ~75 distinct bytes + 64 positions."""
+    print("\n## 4. rank-deficient entry: cumulative ratios against p_0 and against the anchor")
+    print("| run | step | p_0 sigma_min | p_0 live dims | ratio min vs p_0 | anchor | ratio min |")
+    print("|---|---|---|---|---|---|---|")
+    for meta, z in snapshots(root):
+        if meta["cancel_at"] is not None or meta["step"] not in (0, 300):
+            continue
+        names = [str(x) for x in z["names"]]
+        moments = [t(z[f"S{k}"]) for k in range(len(names))]
+        n = int(z["n_rows"])
+        prof = sigma_min_profile(names, moments, [n] * len(names), [None] * len(names))
+        lam = np.linalg.eigvalsh(z["S0"])
+        live = int((lam > 1e-10 * lam[-1]).sum())
+        s0 = math.sqrt(max(lam[0], 0.0))
+        old = min(p.sigma_min / s0 for p in prof.points[1:]) if s0 > 0 else math.nan
+        print(
+            f"| {meta['norm']} d={meta['width']} s{meta['seed']} | {meta['step']} | {s0:.2e} | "
+            f"{live} | {old:.4g} | {prof.anchor} | {prof.sigma_min_ratio_min:.3f} |"
         )
 
 
@@ -258,13 +284,15 @@ def minilm_table(n_tokens: int = 4096) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="/tmp/meaning_runs")
-    p.add_argument("--only", choices=["delta_gamma", "retention", "minilm"], default=None)
+    p.add_argument("--only", choices=["delta_gamma", "retention", "anchor", "minilm"], default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.only in (None, "delta_gamma"):
         delta_gamma_table(args.runs)
     if args.only in (None, "retention"):
         retention_table(args.runs)
+    if args.only in (None, "anchor"):
+        anchor_table(args.runs)
     if args.only in (None, "minilm"):
         minilm_table()
 
