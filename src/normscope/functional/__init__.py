@@ -18,7 +18,9 @@ from normscope.functional.dead_direction import (
     rows_comparable,
     schur_quotient,
 )
+from normscope.functional.depth import DepthRead, direction_depth
 from normscope.functional.moments import DiagonalMoment
+from normscope.functional.premise import PLACEMENTS, POST_NORM
 from normscope.functional.profile import (
     ProfilePoint,
     SigmaMinProfile,
@@ -32,6 +34,7 @@ __all__ += ["predicted_kernel", "rmsnorm_alignment_max", "rows_comparable", "sch
 __all__ += ["StreamingCrossMoment", "no_cancellation_margin"]
 __all__ += ["ProfilePoint", "SigmaMinProfile", "sigma_min"]
 __all__ += ["sigma_min_profile"]
+__all__ += ["DepthRead", "direction_depth", "PLACEMENTS", "POST_NORM"]
 
 from normscope.functional.sign_magnitude import (  # noqa: E402
     OutlierRead,

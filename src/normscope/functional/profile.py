@@ -8,7 +8,9 @@ direction opened by training, or a calibration artefact.
 
 ``reason`` vocabulary (an attribute, never in ``as_dict``): ``"insufficient_rows"``
 (``n_rows < 2 d``), ``"non_finite_second_moment"``, ``"eigh_failed"`` for a point's own
-``sigma_min``; ``"first_point_unavailable"`` (``p_0``'s ``sigma_min`` is NaN or 0, so no ratio
+``sigma_min``; ``"rank_deficient"`` (a flag on a finite ``sigma_min``: the rows do not span,
+``lambda_1 <= 1e-10 ||S||_F``; leading such points are skipped by the cumulative ratios'
+anchor, :class:`SigmaMinProfile`); ``"first_point_unavailable"`` (``p_0``'s ``sigma_min`` is NaN or 0, so no ratio
 exists), ``"previous_point_unavailable"`` (only the step is NaN); for the whole profile also
 ``"no_points"``, ``"single_point"`` (nothing after ``p_0``) and ``"no_finite_ratio"``.
 
@@ -31,12 +33,15 @@ import torch
 
 from normscope.functional.covariance import symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
+from normscope.functional.premise import POST_NORM, check_placement
 from normscope.functional.solvers import bottom_eigh, check_solver, use_fast
 
 __all__ = [
     "BOUND_BIAS",
     "BOUND_Z",
     "MIN_ROWS_PER_DIM",
+    "RANK_DEFICIENT",
+    "RANK_TOL",
     "ProfilePoint",
     "SigmaMinProfile",
     "profile_from_sigmas",
@@ -50,6 +55,11 @@ _NAN = math.nan
 MIN_ROWS_PER_DIM = 4.0  # below N/d = 4 a ratio gets no interval and decides nothing
 BOUND_BIAS = 0.5  # c: the share of the Marchenko-Pastur bottom bias the interval allows
 BOUND_Z = 3.0  # z: the noise allowance, in units of 1/sqrt(N)
+# A point whose lambda_1 is <= RANK_TOL * ||S||_F does not span (a ViT's 4x4 patches: 48 patch
+# dimensions + 65 positions under d = 192; a byte vocabulary under d): its sigma_min is 0 or
+# rounding (measured ~1e-8), so cumulative ratios anchor at the first point that spans.
+RANK_TOL = 1e-10
+RANK_DEFICIENT = "rank_deficient"
 
 
 def ratio_bounds(
@@ -115,7 +125,9 @@ def _sigma_min(
     except RuntimeError:
         return _NAN, "eigh_failed", fallbacks
     # S is PSD: a negative bottom eigenvalue is rounding (a few ulps of lambda_d), read as 0.
-    return math.sqrt(max(low, 0.0)), None, fallbacks
+    # The rows do not span when lambda_1 <= RANK_TOL ||S||_F: a finite sigma_min, flagged.
+    spans = low > RANK_TOL * float(torch.linalg.matrix_norm(s))
+    return math.sqrt(max(low, 0.0)), None if spans else RANK_DEFICIENT, fallbacks
 
 
 def _fast_bottom(s: torch.Tensor) -> float | None:
@@ -185,9 +197,17 @@ class ProfilePoint:
 class SigmaMinProfile:
     """The depth profile: every point, the smallest ratio and where it is.
 
-    ``sigma_min_ratio_min`` and ``worst_point`` are taken over ``p_1, ..., p_L`` (``p_0``'s
-    ratio is 1 by definition), NaN points ignored; so ``worst_point``'s ratio is
+    ``sigma_min_ratio_min`` and ``worst_point`` are taken over the points after the anchor
+    (the anchor's ratio is 1 by definition), NaN points ignored; so ``worst_point``'s ratio is
     ``sigma_min_ratio_min``. ``reason`` is None when that minimum exists.
+
+    ``anchor`` is the point the cumulative ratios are read against: ``p_0``, or, when the
+    first points' rows do not span (their reason ``"rank_deficient"``: ``lambda_1 <= 1e-10
+    ||S||_F``, a ViT with small patches, a vocabulary under ``d``), the first point that
+    does (``anchor_depth`` its index, :attr:`rank_deficient_entry` True). The points before
+    it have NaN ratio and step; the anchor's step is NaN (``"previous_point_unavailable"``).
+    A point after the anchor that does not span (a collapse to exact zero) keeps its ratio
+    and the reason ``"rank_deficient"`` as a flag. ``anchor`` is None when no ratio exists.
 
     ``no_cancellation_margin`` is aligned with ``points``: ``lambda_min(M_k) /
     lambda_min(S_{k-1})`` (:mod:`normscope.functional.cancellation`), NaN for ``p_0`` and
@@ -201,6 +221,13 @@ class SigmaMinProfile:
     no_cancellation_margin: tuple[float, ...] = ()
     margin_measured: bool = field(default=False, init=False)
     dense_fallbacks: int = 0
+    anchor: str | None = None
+    anchor_depth: int = 0
+
+    @property
+    def rank_deficient_entry(self) -> bool:
+        """Whether leading points did not span, so the ratios anchor at ``anchor``, not p_0."""
+        return self.anchor_depth > 0
 
     def __post_init__(self) -> None:
         margins = self.no_cancellation_margin
@@ -256,6 +283,7 @@ def sigma_min_profile(
     sublayers: Sequence[str | None],
     *,
     solver: str = "fast",
+    placement: str = "pre",
 ) -> SigmaMinProfile:
     """``sigma_min``, cumulative ratio and step at every residual point, in forward order.
 
@@ -266,6 +294,9 @@ def sigma_min_profile(
         n_rows: each point's row count.
         sublayers: what lies before each point (``"attn"``, ``"mlp"``, ``"block"``, None).
         solver: ``"fast"`` or ``"dense"``, as for :func:`sigma_min`.
+        placement: ``"pre"`` (default) or ``"post"``: with post-norm blocks the points are no
+            identity-skip stream, so every ratio and step is NaN with reason ``"post_norm"``
+            (the ``sigma_min`` values are still given).
 
     Returns:
         A :class:`SigmaMinProfile`. When ``p_0``'s ``sigma_min`` is NaN (or 0) every ratio and
@@ -295,6 +326,7 @@ def sigma_min_profile(
         dupes = sorted({n for n in names if list(names).count(n) > 1})
         raise ValueError(f"sigma_min_profile: point names must be distinct, repeated: {dupes}")
     check_solver(solver, "sigma_min_profile")
+    check_placement(placement, "sigma_min_profile")
     if not names:
         return SigmaMinProfile((), _NAN, None, "no_points")
 
@@ -306,6 +338,7 @@ def sigma_min_profile(
         [row_count(n, "sigma_min_profile") for n in n_rows],
         [m.shape[-1] for m in second_moments],
         dense_fallbacks=sum(f for _, _, f in reads),
+        placement=placement,
     )
 
 
@@ -317,6 +350,7 @@ def profile_from_sigmas(
     dims: Sequence[int],
     *,
     dense_fallbacks: int = 0,
+    placement: str = "pre",
 ) -> SigmaMinProfile:
     """The profile from each point's solved ``(sigma_min, reason)``, row count and width:
     what :func:`sigma_min_profile` builds once its points are solved (a read split across
@@ -332,13 +366,33 @@ def profile_from_sigmas(
     if not names:
         return SigmaMinProfile((), _NAN, None, "no_points", dense_fallbacks=dense_fallbacks)
     fb = dense_fallbacks
-    first = sigmas[0][0]
-    first_ok = math.isfinite(first) and first > 0
+    if check_placement(placement, "profile_from_sigmas") == "post":
+        pts = tuple(
+            ProfilePoint(
+                name, k, sub, value, _NAN, _NAN, int(n), POST_NORM, n / dim if dim else _NAN
+            )
+            for k, (name, sub, (value, _), n, dim) in enumerate(
+                zip(names, sublayers, sigmas, n_rows, dims)
+            )
+        )
+        return SigmaMinProfile(pts, _NAN, None, POST_NORM, dense_fallbacks=fb)
+    # The anchor: p_0, or past leading points whose rows do not span (reason rank_deficient)
+    a = 0
+    while a < len(sigmas) - 1 and sigmas[a][1] == RANK_DEFICIENT:
+        a += 1
+    first = sigmas[a][0]
+    first_ok = math.isfinite(first) and first > 0 and sigmas[a][1] != RANK_DEFICIENT
     points: list[ProfilePoint] = []
     for k, (name, (value, reason)) in enumerate(zip(names, sigmas)):
-        if k == 0:
-            ratio = step = 1.0 if first_ok else _NAN
-            reason = reason or (None if first_ok else "first_point_unavailable")
+        if k < a:  # before the anchor: no ratio, no step (the rows do not span)
+            ratio = step = _NAN
+        elif k == a:
+            ratio = 1.0 if first_ok else _NAN
+            step = ratio if k == 0 else _NAN
+            if reason is None and not first_ok:
+                reason = "first_point_unavailable"
+            elif reason is None and k > 0:
+                reason = "previous_point_unavailable"  # the step's previous point: rank-deficient
         else:
             prev = sigmas[k - 1][0]
             ratio = value / first if first_ok else _NAN
@@ -350,10 +404,13 @@ def profile_from_sigmas(
         count = int(n_rows[k])
         dim = dims[k]
         per_dim = count / dim if dim else _NAN
-        if k == 0:
-            bounds = (ratio, ratio, step, step) if per_dim >= MIN_ROWS_PER_DIM else (_NAN,) * 4
+        if k < a:
+            bounds = (_NAN,) * 4
+        elif k == a:
+            good = per_dim >= MIN_ROWS_PER_DIM
+            bounds = (ratio, ratio, step, step) if good else (_NAN,) * 4
         else:
-            n0 = min(count, int(n_rows[0]))
+            n0 = min(count, int(n_rows[a]))
             n1 = min(count, int(n_rows[k - 1]))
             bounds = (
                 *ratio_bounds(ratio, n0, n0 / dim),
@@ -364,12 +421,17 @@ def profile_from_sigmas(
         )
 
     pts = tuple(points)
+    anchor = {"anchor": names[a] if first_ok else None, "anchor_depth": a}
     if not first_ok:
-        return SigmaMinProfile(pts, _NAN, None, "first_point_unavailable", dense_fallbacks=fb)
-    if len(points) == 1:
-        return SigmaMinProfile(pts, _NAN, None, "single_point", dense_fallbacks=fb)
-    later = [p for p in points[1:] if math.isfinite(p.sigma_min_ratio)]
+        return SigmaMinProfile(
+            pts, _NAN, None, "first_point_unavailable", dense_fallbacks=fb, **anchor
+        )
+    if len(points) == a + 1:
+        return SigmaMinProfile(pts, _NAN, None, "single_point", dense_fallbacks=fb, **anchor)
+    later = [p for p in points[a + 1 :] if math.isfinite(p.sigma_min_ratio)]
     if not later:
-        return SigmaMinProfile(pts, _NAN, None, "no_finite_ratio", dense_fallbacks=fb)
+        return SigmaMinProfile(pts, _NAN, None, "no_finite_ratio", dense_fallbacks=fb, **anchor)
     worst = min(later, key=lambda p: p.sigma_min_ratio)
-    return SigmaMinProfile(pts, worst.sigma_min_ratio, worst.name, None, dense_fallbacks=fb)
+    return SigmaMinProfile(
+        pts, worst.sigma_min_ratio, worst.name, None, dense_fallbacks=fb, **anchor
+    )

@@ -11,6 +11,7 @@ import torch
 from normscope.functional.covariance import symmetric_eigh
 from normscope.functional.gamma import GammaRead, resolve_gamma, row_count, square_matrix
 from normscope.functional.kernel import DECLARED_KINDS
+from normscope.functional.premise import POST_NORM, check_placement
 
 __all__ = ["SchurRead", "deepening", "rows_comparable", "schur_quotient"]
 
@@ -90,6 +91,7 @@ def schur_quotient(
     ridge: float = 1e-12,
     declared_kind: str | None = None,
     baseline: SchurRead | None = None,
+    placement: str = "pre",
 ) -> SchurRead:
     """The Schur reads of ``C_h`` along ``v*``: ``R_q``, ``s`` and, with a baseline, ``Delta_gamma``.
 
@@ -117,6 +119,9 @@ def schur_quotient(
             an RMSNorm does not centre, so ``v*`` is no kernel of it.
         baseline: the read ``Delta_gamma`` and ``deepening`` are measured against (None: they
             are NaN, ``delta_reason = "no_baseline"``).
+        placement: ``"pre"`` (default) or ``"post"``: a post-norm layer's input is not the
+            residual stream, so every number is NaN with reason ``"post_norm"``
+            (:mod:`normscope.functional.premise`).
 
     Returns:
         A :class:`SchurRead`.
@@ -144,6 +149,7 @@ def schur_quotient(
             f"schur_quotient: declared_kind must be None or one of {DECLARED_KINDS}, "
             f"got {declared_kind!r}"
         )
+    check_placement(placement, "schur_quotient")
     if baseline is not None and not isinstance(baseline, SchurRead):
         raise ValueError(
             f"schur_quotient: baseline must be a SchurRead or None, got {type(baseline).__name__}"
@@ -152,6 +158,8 @@ def schur_quotient(
     def empty(reason: str) -> SchurRead:
         return SchurRead(_NAN, _NAN, reason, n, delta_reason=reason)
 
+    if placement == "post":
+        return empty(POST_NORM)
     if declared_kind == "rmsnorm":
         return empty("no_gamma_kernel")
     if g.reason is not None:  # non_finite_gamma or dead_channels: no v*
