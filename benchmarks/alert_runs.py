@@ -19,9 +19,7 @@ if str(ROOT) not in sys.path:
 from examples.data import ByteDataset  # noqa: E402
 from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
-from normscope import (
-    Monitor,  # noqa: E402
-)
+from normscope import Monitor  # noqa: E402
 
 
 @dataclass
@@ -71,7 +69,9 @@ def _monitor(model, every: int, rows: int, per_dim: float, width: int, layers: i
         overhead_warn=None,
         max_memory=points * 8 * width * width,  # the profile, nothing else
     )
-    monitor.family.sigma_rule.min_rows_per_dim = per_dim  # the window stays open until N/d >= per_dim
+    monitor.family.sigma_rule.min_rows_per_dim = (
+        per_dim  # the window stays open until N/d >= per_dim
+    )
     return monitor
 
 
@@ -86,9 +86,7 @@ def simulate(run: Run, data: torch.Tensor) -> list[dict[str, Any]]:
     for every, rows in run.schedules:
         watches[(every, rows, 4.0)] = _monitor(model, every, rows, 4.0, run.width, run.layers)
         if rows < 4 * run.width:  # version 1 read at 2 d rows here
-            watches[(every, rows, 2.0)] = _monitor(
-                model, every, rows, 2.0, run.width, run.layers
-            )
+            watches[(every, rows, 2.0)] = _monitor(model, every, rows, 2.0, run.width, run.layers)
     records: list[dict[str, Any]] = []
     batches = run_batches(data, run, seed=run.seed)
     for step in range(run.steps + 1):

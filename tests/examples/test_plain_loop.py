@@ -1,5 +1,5 @@
 """``examples/plain_loop.py``, run for real (shortened): the nanoGPT loop with
-``tracker.step`` reads on schedule and alerts once the cancelling branch is switched on."""
+``monitor.step`` reads on schedule and alerts once the cancelling branch is switched on."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One engine, five loops: a plain PyTorch loop (``tracker.step``), a Fabric loop
+"""One engine, five loops: a plain PyTorch loop (``Monitor.step``), a Fabric loop
 (``Fabric(callbacks=[monitor])``), a Hugging Face ``Trainer`` (``DeadDirectionCallback``), the
 Lightning ``Trainer`` and ``LightningCLI`` (YAML ``class_path`` and ``--trainer.callbacks+=``)
 train the same model on the same batch with SGD and must log the same reads at the same steps,

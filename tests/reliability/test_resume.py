@@ -97,7 +97,11 @@ def test_dead_direction_monitor_resumes_a_run_killed_mid_window(tmp_path, ckpt):
     assert second.reads == state["reads"] + len(steps)
     # baselines kept: deepening = s_first_run_baseline / s_now (issue 18) at every resumed read
     assert second.tracker.baselines == first.tracker.baselines == state["family"]["baselines"]
-    assert second.tracker.baseline_rows == first.tracker.baseline_rows == state["family"]["baseline_rows"]
+    assert (
+        second.tracker.baseline_rows
+        == first.tracker.baseline_rows
+        == state["family"]["baseline_rows"]
+    )
     for r in rows_with(rows, "dd/sigma_min_ratio_min"):
         for layer, r_base in state["family"]["baselines"].items():
             r_now = float(r[f"dd/{layer}/schur_complement"])

@@ -112,7 +112,9 @@ def lightning_targets(loggers: Sequence[Any]) -> list[Target]:
     out = []
     for lg in loggers:
         if isinstance(lg, WandbLogger):
-            out.append(Target(lg, wandb_run=lambda lg=lg: lg.experiment, step_key="trainer/global_step"))
+            out.append(
+                Target(lg, wandb_run=lambda lg=lg: lg.experiment, step_key="trainer/global_step")
+            )
         else:
             out.append(Target(lg))
     return out

@@ -9,7 +9,23 @@ from typing import Any, Protocol
 
 from normscope.functional.profile import ratio_bounds
 
-__all__ = ["Alert", "AlertRule", "CLASS_CODE", "CallableRule", "Collapse", "KernelLossRule", "OutlierRule", "SigmaMinRatioRule", "SignChurnSpikeRule", "SourceCollapseRule", "below_floor", "classify_collapses", "collapse_keys", "default_dead_direction_rules", "source_reads"]
+__all__ = [
+    "Alert",
+    "AlertRule",
+    "CLASS_CODE",
+    "CallableRule",
+    "Collapse",
+    "KernelLossRule",
+    "OutlierRule",
+    "SigmaMinRatioRule",
+    "SignChurnSpikeRule",
+    "SourceCollapseRule",
+    "below_floor",
+    "classify_collapses",
+    "collapse_keys",
+    "default_dead_direction_rules",
+    "source_reads",
+]
 
 
 class KernelLossRule:

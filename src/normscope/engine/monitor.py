@@ -54,7 +54,21 @@ from normscope.engine.worker import ReadWorker
 from normscope.families.dead_direction import DeadDirectionFamily
 from normscope.families.sign_magnitude_family import SignMagnitudeFamily
 
-__all__ = ["Family", "Monitor", "SUMMARIES", "StepResult", "Target", "canonical_metrics", "check_log_per_layer", "check_name", "family_names", "named_key", "named_metrics", "parse_family", "select_layers"]
+__all__ = [
+    "Family",
+    "Monitor",
+    "SUMMARIES",
+    "StepResult",
+    "Target",
+    "canonical_metrics",
+    "check_log_per_layer",
+    "check_name",
+    "family_names",
+    "named_key",
+    "named_metrics",
+    "parse_family",
+    "select_layers",
+]
 
 
 class Family(Protocol):
@@ -239,9 +253,16 @@ class Monitor:
             self.log_per_layer = check_log_per_layer(log_per_layer, owner)
             self.sinks = build_sinks(alerts)
         except ValueError as err:
-            raise ConfigurationError(f"{owner}: {err}" if owner not in str(err) else str(err))
-        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
-            raise ConfigurationError(f"{owner}: every_n_steps must be an int >= 1, got {every_n_steps!r}")
+            text = str(err) if owner in str(err) else f"{owner}: {err}"
+            raise ConfigurationError(text) from err
+        if (
+            not isinstance(every_n_steps, int)
+            or isinstance(every_n_steps, bool)
+            or every_n_steps < 1
+        ):
+            raise ConfigurationError(
+                f"{owner}: every_n_steps must be an int >= 1, got {every_n_steps!r}"
+            )
         if overhead_warn is not None and not (
             isinstance(overhead_warn, (int, float)) and overhead_warn > 0
         ):
@@ -691,7 +712,9 @@ class Monitor:
                 continue
             note_worst(run, head, family.worst_point(report), step)
             if every and (every <= 1 or (self.reads - 1) % every == 0):
-                payload = {named_key(k, self.name): v for k, v in family.charts(report, step).items()}
+                payload = {
+                    named_key(k, self.name): v for k, v in family.charts(report, step).items()
+                }
                 if payload:
                     run.log({**payload, target.step_key: step})
 

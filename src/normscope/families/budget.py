@@ -50,9 +50,7 @@ def fit_budget(
     n_src = sources if points else 0
     full = tap_cost(norms, points, width, links, n_src)
     total_norms = len(norms)
-    kept_norms, kept, links_kept, src_kept = plan_budget(
-        norms, points, width, budget, links, n_src
-    )
+    kept_norms, kept, links_kept, src_kept = plan_budget(norms, points, width, budget, links, n_src)
     dropped = bool(n_src and not src_kept)
     if (
         len(kept_norms) == len(norms)

@@ -59,7 +59,29 @@ from normscope.taps.norms import NormLayer, discover_norm_layers, find_norm_laye
 from normscope.taps.residual import ResidualDiscovery, ResidualLayout, find_residual_points
 from normscope.taps.sources import SourceLabels, SourceSpec, SourceSplit, resolve_labels
 
-__all__ = ["DeadDirectionFamily", "DeadDirectionReport", "DeadDirectionTracker", "NormReport", "ReadRecords", "ReadWindow", "check_layers", "finish_report", "format_read_line", "format_summary", "format_table", "gather_records", "key_path", "point_sigma", "profile_from_parts", "read_norm", "read_share", "read_sources_of", "reduce_taps", "solve_window", "take_window"]
+__all__ = [
+    "DeadDirectionFamily",
+    "DeadDirectionReport",
+    "DeadDirectionTracker",
+    "NormReport",
+    "ReadRecords",
+    "ReadWindow",
+    "check_layers",
+    "finish_report",
+    "format_read_line",
+    "format_summary",
+    "format_table",
+    "gather_records",
+    "key_path",
+    "point_sigma",
+    "profile_from_parts",
+    "read_norm",
+    "read_share",
+    "read_sources_of",
+    "reduce_taps",
+    "solve_window",
+    "take_window",
+]
 
 
 ForwardFn = Callable[[], Any]
@@ -355,7 +377,10 @@ class DeadDirectionTracker:
 
     def window_gammas(self) -> dict[str, torch.Tensor]:
         """The gammas of the window's forwards (:meth:`snapshot_gammas`), else the live ones."""
-        return {n.name: self._gammas[n.name] if n.name in self._gammas else n.gamma() for n in self.norms}
+        return {
+            n.name: self._gammas[n.name] if n.name in self._gammas else n.gamma()
+            for n in self.norms
+        }
 
     def cross_moments(self) -> list:
         """The cross-moments between consecutive residual points (empty without a chain or
@@ -566,9 +591,6 @@ class DeadDirectionReport:
 # ============================================================================
 
 
-
-
-
 # ------------------------------------------------------------------------ the window
 @dataclass
 class ReadWindow:
@@ -652,9 +674,7 @@ def take_window(tracker: DeadDirectionTracker, step: int, *, swap: bool) -> Read
             n: ([copy.copy(a) for a in split.accs[n]] if swap else split.accs[n])
             for n in sorted(split.accs)
         }
-    norm_taps = {
-        name: (frozen[a.key], frozen[b.key]) for name, (a, b) in tracker.norm_taps.items()
-    }
+    norm_taps = {name: (frozen[a.key], frozen[b.key]) for name, (a, b) in tracker.norm_taps.items()}
     skip = {
         n.name
         for n in tracker.norms
@@ -1315,9 +1335,11 @@ class DeadDirectionFamily:
         if tracker is None:
             return "not built"
         points = len(tracker.layout.points) if tracker.layout is not None else 0
-        return f"{len(tracker.norms)} norm layers, {points} residual points, " + fmt(
-            tracker.memory_bytes() / 2**20, ".1f"
-        ) + " MiB"
+        return (
+            f"{len(tracker.norms)} norm layers, {points} residual points, "
+            + fmt(tracker.memory_bytes() / 2**20, ".1f")
+            + " MiB"
+        )
 
 
 # ============================================================================

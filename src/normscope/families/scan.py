@@ -14,6 +14,7 @@ from normscope.taps.sources import resolve_labels
 
 __all__ = ["scan_model"]
 
+
 @torch.no_grad()
 def scan_model(
     model: nn.Module,

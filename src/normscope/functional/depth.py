@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from normscope.functional.covariance import symmetric_eigh
-from normscope.functional.gamma import GammaRead, _resolve_gamma, row_count, square_matrix
+from normscope.functional.gamma import GammaRead, resolve_gamma, row_count, square_matrix
 from normscope.functional.kernel import DECLARED_KINDS
 from normscope.functional.premise import POST_NORM, check_placement
 
@@ -183,7 +183,7 @@ def direction_depth(
     """
     c = square_matrix(input_covariance, "direction_depth", "input_covariance")
     d = c.shape[0]
-    g = _resolve_gamma(gamma, d, "direction_depth")
+    g = resolve_gamma(gamma, d, "direction_depth")
     n = row_count(n_rows, "direction_depth")
     check_placement(placement, "direction_depth")
     if declared_kind is not None and declared_kind not in DECLARED_KINDS:

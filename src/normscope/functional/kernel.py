@@ -299,7 +299,7 @@ def centring_residual(covariance: torch.Tensor, gamma: torch.Tensor | GammaRead)
         True
     """
     c = square_matrix(covariance, "centring_residual", "covariance")
-    read = _resolve_gamma(gamma, c.shape[0], "centring_residual")
+    read = resolve_gamma(gamma, c.shape[0], "centring_residual")
     if read.v_star is None:
         return _NAN
     inv = 1.0 / read_gains(read, gamma).to(c.device)

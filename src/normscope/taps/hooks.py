@@ -37,7 +37,18 @@ from normscope.functional.covariance import StreamingCovariance
 
 __all__ = [
     "batch_mask",
-    "call_model","Accumulator", "Gate", "PointChain", "Tap", "TapSet", "compiled", "eager_forwards", "in_backward_recompute", "tap_input", "tap_output"]
+    "call_model",
+    "Accumulator",
+    "Gate",
+    "PointChain",
+    "Tap",
+    "TapSet",
+    "compiled",
+    "eager_forwards",
+    "in_backward_recompute",
+    "tap_input",
+    "tap_output",
+]
 
 
 def tap_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
