@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule
-from normscope.families import dead_direction_read as read_window
+from normscope.families import dead_direction as read_window
 from tests.callbacks.test_dead_direction_monitor import fit, read_csv, rows_with
 from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
 
@@ -35,7 +35,7 @@ def _slow_worker(monkeypatch, seconds: float) -> None:
     """Solves that take ``seconds`` more: the reads are published steps after their own."""
     import time
 
-    from normscope.families import dead_direction_family
+    from normscope.families import dead_direction as dead_direction_family
 
     real = dead_direction_family.solve_window
 

@@ -183,7 +183,7 @@ class _LightningMonitor(Callback):
         except MisconfigurationException:
             raise
         except Exception as err:  # noqa: BLE001 - fail-open is the contract
-            self.engine._disable(f"setup: {type(err).__name__}: {err}")
+            self.engine.disable(f"setup: {type(err).__name__}: {err}")
 
     # ------------------------------------------------------------ the steps
     def on_train_batch_start(

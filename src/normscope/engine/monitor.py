@@ -51,7 +51,7 @@ from torch import nn
 from normscope._common import ConfigurationError, disabled_message, logger, setup_logger
 from normscope.alerts import Alert, build_sinks
 from normscope.engine.worker import ReadWorker
-from normscope.families.dead_direction import DeadDirectionFamily
+from normscope.families.dead_direction import DeadDirectionFamily, read_share
 from normscope.families.sign_magnitude_family import SignMagnitudeFamily
 
 __all__ = [
@@ -93,6 +93,11 @@ class Family(Protocol):
     def rows(self) -> torch.Tensor: ...
     def rows_needed(self, rules: Sequence[Any]) -> int: ...
     def read(self, step: int, *, distributed: bool) -> Any: ...
+    # with ``supports_async``: the read in three parts, the middle one on the worker thread
+    def take(self, step: int, *, distributed: bool, swap: bool) -> Any: ...
+    def solve(self, window: Any, share: tuple[int, int]) -> Any: ...
+    def gather(self, records: Any, error: str | None = None) -> list[Any]: ...
+    def assemble(self, window: Any, parts: list[Any], solves: int) -> Any: ...
     def metrics(self, report: Any) -> dict[str, float]: ...
     def read_line(self, report: Any, fired: Sequence[Any]) -> str: ...
     def summary(self, report: Any, reads: int, alerts: Sequence[Any]) -> str | None: ...
@@ -148,11 +153,6 @@ def _any(decision: bool, device: torch.device) -> bool:
 def _rank_zero() -> bool:
     dist = _dist()
     return dist is None or dist.get_rank() == 0
-
-
-def _share() -> tuple[int, int]:
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -391,7 +391,7 @@ class Monitor:
     @property
     def state_key(self) -> str:
         """The monitor's key in a checkpoint: its family and name (two monitors of one family
-        in one run need different names, and a warning says so)."""
+        in one run need different names: Lightning refuses two callbacks with one key)."""
         return self.label
 
     def watch(
@@ -545,7 +545,7 @@ class Monitor:
         self._publish_due(wait=True)  # at most one read in flight
         started = time.perf_counter()
         window = family.take(step, distributed=distributed, swap=True)
-        share = _share()
+        share = read_share()
         self._deferred = 0
         self._pending = (window, distributed, self._step_at_begin)
         self._gather_owed = distributed
@@ -694,13 +694,13 @@ class Monitor:
                 run = target.wandb_run()
             except Exception:  # noqa: BLE001 - no run to alert on
                 run = None
-            if run is not None and target.step_key is not None:
+            if run is not None:
                 runs.append(run)
         return runs
 
     def _wandb_extras(self, report: Any, step: int, head: str) -> None:
-        """On every W&B run of a logger with a step key (Lightning's ``WandbLogger``): the
-        run's worst point in its summary, and at the first read and every
+        """On every W&B run a target writes to (Lightning's ``WandbLogger``, a plain loop's
+        ``wandb.log``): the run's worst point in its summary, and at the first read and every
         ``charts_every_n_reads``-th the family's charts."""
         family = self.family
         every = family.charts_every_n_reads
@@ -859,6 +859,11 @@ class Monitor:
             self._stop_decided_step = self._step_at_begin
             _any(False, self.device)
         return False
+
+    def disable(self, reason: str) -> None:
+        """Switch the monitor off (hooks removed), warning once with ``reason``: what an
+        adapter does when its own part fails."""
+        self._disable(reason)
 
     def _disable(self, reason: str, *, warn: bool = True) -> None:
         self.disabled = True

@@ -1,11 +1,14 @@
-"""The dead-direction reads on a schedule, independent of any trainer.
+"""The dead-direction family, whole: the tracker, the one read path, the report, the engine's
+glue and the text renderings.
 
 :class:`DeadDirectionTracker` finds a model's norm layers and residual points
 (:mod:`normscope.taps`), hooks them once, accumulates rows while its gate is open and, on
 :meth:`~DeadDirectionTracker.read`, reduces across processes and runs every read of
 docs/metrics.md §1 into a :class:`DeadDirectionReport` (:func:`normscope.scan_model` and the
-Lightning ``DeadDirectionMonitor`` drive it). Reports: :mod:`.dead_direction_report`; reads:
-:mod:`.dead_direction_read`; ``max_memory``: :mod:`.budget` (their names import from here too).
+engine drive it). The sections below, in order: the tracker; the report (:class:`NormReport`,
+:class:`DeadDirectionReport`, their keys); the read path (:func:`take_window`,
+:func:`solve_window`, :func:`finish_report`); :class:`DeadDirectionFamily`, what the engine
+drives; the read line, table and summary. ``max_memory``: :mod:`normscope.families.budget`.
 
 Per norm layer two tensors are tapped: its input ``h`` (covariance ``C_h`` for the Schur quotient,
 second moment for ``sigma_min`` where the input is a residual point) and its output (covariance
@@ -404,9 +407,7 @@ class DeadDirectionTracker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # without baseline_rows the state is version 1's: its baselines are another quantity
-        has_rows = "baseline_rows" in state
-        self.baselines = dict(state.get("baselines", {})) if has_rows else {}
+        self.baselines = dict(state.get("baselines", {}))
         self.baseline_rows = {k: int(v) for k, v in state.get("baseline_rows", {}).items()}
         for key, acc_state in state.get("taps", {}).items():
             name, where = key.rsplit("|", 1)
@@ -1358,17 +1359,17 @@ def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -
         worst = profile.worst_point
         sub = next((p.sublayer for p in profile.points if p.name == worst), None)
         where = f" at {key_path(worst)} ({sub or 'block'})" if worst else ""
-        parts.append(f"sigma_min_ratio_min {_f(profile.sigma_min_ratio_min)}{where}")
+        parts.append(f"sigma_min_ratio_min {format(profile.sigma_min_ratio_min, '.4g')}{where}")
     ln = [n for n in report.norms.values() if n.kind == "layernorm" and n.gamma.dead_channels == 0]
     if ln:
-        parts.append(f"gamma_alignment_min {_f(min(n.kernel.gamma_alignment for n in ln), '.6f')}")
+        parts.append(f"gamma_alignment_min {format(min(n.kernel.gamma_alignment for n in ln), '.6f')}")
     deltas = [
         n.schur.delta_gamma for n in report.norms.values() if math.isfinite(n.schur.delta_gamma)
     ]
     if deltas:
-        parts.append(f"Delta_gamma max {_f(max(deltas))}")
+        parts.append(f"Delta_gamma max {format(max(deltas), '.4g')}")
     if report.sources:
-        per = ", ".join(f"{name} {_f(p.sigma_min_ratio_min)}" for name, p in report.sources.items())
+        per = ", ".join(f"{name} {format(p.sigma_min_ratio_min, '.4g')}" for name, p in report.sources.items())
         collapses = report.collapses
         verdict = (
             f"; {collapses[0].kind} collapse at {key_path(collapses[0].point)}" if collapses else ""

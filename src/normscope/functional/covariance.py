@@ -28,6 +28,8 @@ Design choices, written down because they matter inside a training step:
   before reducing: ``world_size x d^2 x 8`` bytes of transient memory per accumulator (d = 4096,
   8 ranks: about 1 GB). :meth:`StreamingCovariance.reduce_` instead sums re-centred co-moments
   in place with one ``all_reduce``: the memory of one state, whatever the number of ranks.
+  Measured on 2 gloo processes (``benchmarks/torchmetrics_sync.py``): at d = 2048 (a 32 MiB
+  state) a ``Metric``'s sync peaks 162 MiB above its resting memory, ``reduce_`` 2.5 MiB.
 """
 
 from __future__ import annotations
