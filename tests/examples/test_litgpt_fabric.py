@@ -209,3 +209,34 @@ def test_litgpt_gpt_in_the_loop(tmp_path, model):
     assert [p.module_name for p in monitor.tracker.layout.points] == points
     assert monitor.reads == 2 and not monitor.disabled
     assert tap_hooks(net) == 0
+
+
+def test_watch_fabric_reads_the_same(runs, tmp_path):
+    """The other way in (``watch_fabric`` + ``monitor.step``) on the same loop: the same reads
+    at the same steps, bit for bit, and nothing left hooked after ``close()``."""
+    from lightning.fabric import Fabric
+
+    from normscope.adapters.fabric import watch_fabric
+
+    callback = runs["sequential"][0]
+    torch.manual_seed(0)
+    net = litgpt_fabric.build("sequential", n_layer=LAYERS, use_litgpt=False)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric.seed_everything(0, verbose=False)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.0)
+    net, optimizer = fabric.setup(net, optimizer)
+    monitor = watch_fabric(fabric, net, every_n_steps=5, verbose=False)
+    steps = []
+    for _, batch in zip(range(STEPS), litgpt_fabric.token_batches(8)):
+        with monitor.step(batch):
+            fabric.backward(litgpt_fabric.loss_of(net, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+        if monitor.last_report is not None and monitor.last_report.step not in steps:
+            steps.append(monitor.last_report.step)
+    monitor.close()
+    assert steps == [2, STEPS] and not monitor.disabled
+    assert monitor.last_report.as_dict() == pytest.approx(
+        callback.last_report.as_dict(), nan_ok=True, rel=0, abs=0
+    )
+    assert tap_hooks(net.module) == 0
