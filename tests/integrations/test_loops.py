@@ -102,12 +102,13 @@ def test_hf_reads_reach_the_report_to_integration(dd_runs, tmp_path_factory):
 
     trainer, _ = dd_runs["hf"][1]
     tb = read_tensorboard_run(trainer.args.output_dir)
-    steps, values = tb.series("train/dd/sigma_min_ratio_min")
+    assert tb.key_prefix == "train/"  # HF's prefix, read as the dd/ keys
+    steps, values = tb.series("dd/sigma_min_ratio_min")
     assert steps.tolist() == loops.READ_STEPS["dd"]
     hf_reads = dd_runs["hf"][0]
     for step, value in zip(steps, values):
         assert value == pytest.approx(hf_reads[int(step)]["dd/sigma_min_ratio_min"], rel=1e-6)
-    _, fired = tb.series("train/dd/alerts_fired")
+    _, fired = tb.series("dd/alerts_fired")
     assert fired.tolist() == [1.0, 0.0]
 
 

@@ -155,7 +155,7 @@ def fit_exact(out: Path, async_reads: bool = False) -> dict[str, Any]:
 
 def _jobs(tracker: DeadDirectionTracker) -> int:
     """The jobs of one whole read: norm layers, residual points, margins (no sources here)."""
-    points = len(tracker._point_taps)
+    points = len(tracker.point_taps)
     return len(tracker.norms) + points + max(points - 1, 0)
 
 

@@ -103,9 +103,14 @@ def test_bf16_mixed_keeps_layernorm_in_float32_and_the_kernel_exact():
 
 def test_bf16_true_reads_the_kernel_at_the_rounding_floor():
     """One fit, two monitors on the same rows: the default ``null_tol`` (warned about) and a
-    raised one (``layers`` spelled out, so that the two have distinct checkpoint keys)."""
+    raised one (named, so that the two have distinct checkpoint keys)."""
     raised = DeadDirectionMonitor(
-        every_n_steps=EVERY, null_tol=1e-4, layers=NORMS, residual=False, verbose=False
+        every_n_steps=EVERY,
+        null_tol=1e-4,
+        layers=NORMS,
+        residual=False,
+        verbose=False,
+        name="raised",
     )
     with pytest.warns(UserWarning, match="bf16-true.*null_tol=1e-4") as caught:
         monitor, seen = fit("bf16-true", 1e-10, raised)

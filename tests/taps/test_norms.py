@@ -292,7 +292,7 @@ def test_register_norm_adapter_for_a_user_class() -> None:
 def _registered() -> list:
     from normscope.taps import norms
 
-    return list(norms._USER_ADAPTERS)
+    return list(norms.USER_ADAPTERS)
 
 
 def test_full_tensor_float64_copies() -> None:

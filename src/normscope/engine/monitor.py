@@ -217,12 +217,13 @@ class Monitor:
         >>> import torch
         >>> from torch import nn
         >>> from normscope.engine import Monitor
-        >>> model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
         >>> monitor = Monitor.dead_direction(model, every_n_steps=2, residual=False,
         ...                                  verbose=False, alerts=())
         >>> for _ in range(2):
         ...     with monitor.step() as result:
-        ...         _ = model(torch.randn(64, 8))
+        ...         _ = model(torch.randn(64, 16))
         >>> round(result.metrics["dd/gamma_alignment_min"], 6)
         1.0
         >>> monitor.close()
