@@ -39,7 +39,7 @@ def np_sigma(s: torch.Tensor) -> float:
 def test_ratios_anchor_at_the_first_point_that_spans(dtype):
     moments = vit_like(dtype=dtype)
     names, subs = ["embed", "h.0.attn", "h.0.mlp", "h.1.attn"], [None, "attn", "mlp", "attn"]
-    prof = sigma_min_profile(names, moments, [1024] * 4, subs, solver="dense")
+    prof = sigma_min_profile(names, moments, [1024] * 4, subs, solver="dense", anchor=True)
     assert prof.rank_deficient_entry and prof.anchor == "h.0.attn" and prof.anchor_depth == 1
     p0, p1 = prof.points[0], prof.points[1]
     assert p0.reason == RANK_DEFICIENT and math.isnan(p0.sigma_min_ratio)
@@ -61,7 +61,7 @@ def test_a_full_rank_entry_keeps_p0_as_anchor():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(512, 16, generator=g, dtype=torch.float64)
     moments = [x.T @ x / 512, 4 * x.T @ x / 512]
-    prof = sigma_min_profile(["a", "b"], moments, [512, 512], [None, "block"])
+    prof = sigma_min_profile(["a", "b"], moments, [512, 512], [None, "block"], anchor=True)
     assert prof.anchor == "a" and prof.anchor_depth == 0 and not prof.rank_deficient_entry
     assert prof.points[1].sigma_min_ratio == pytest.approx(2.0, rel=1e-12)
 
@@ -74,7 +74,7 @@ def test_a_later_point_that_stops_spanning_keeps_its_ratio_and_the_flag():
     y = x.clone()
     y[:, 0] = 0.0
     moments = [x.T @ x / n, y.T @ y / n]
-    prof = sigma_min_profile(["a", "b"], moments, [n, n], [None, "mlp"])
+    prof = sigma_min_profile(["a", "b"], moments, [n, n], [None, "mlp"], anchor=True)
     assert prof.anchor == "a"
     assert prof.points[1].reason == RANK_DEFICIENT and prof.points[1].sigma_min_ratio < 1e-6
     assert prof.worst_point == "b"
@@ -82,7 +82,7 @@ def test_a_later_point_that_stops_spanning_keeps_its_ratio_and_the_flag():
 
 def test_no_point_spans():
     m = torch.diag(torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64))
-    prof = sigma_min_profile(["a", "b"], [m, m], [8, 8], [None, "mlp"])
+    prof = sigma_min_profile(["a", "b"], [m, m], [8, 8], [None, "mlp"], anchor=True)
     assert prof.reason == "first_point_unavailable" and prof.anchor is None
     assert all(p.reason == RANK_DEFICIENT for p in prof.points)
 
@@ -90,7 +90,7 @@ def test_no_point_spans():
 def test_split_read_gets_the_same_anchor():
     moments = vit_like()
     names, subs = ["e", "a0", "m0", "a1"], [None, "attn", "mlp", "attn"]
-    whole = sigma_min_profile(names, moments, [1024] * 4, subs, solver="dense")
+    whole = sigma_min_profile(names, moments, [1024] * 4, subs, solver="dense", anchor=True)
     parts = [(p.sigma_min, RANK_DEFICIENT if k == 0 else None) for k, p in enumerate(whole.points)]
     split = profile_from_sigmas(names, subs, parts, [1024] * 4, [48] * 4)
     assert split.anchor == whole.anchor

@@ -102,9 +102,10 @@ def ratio_bounds(
 
 
 def _sigma_min(
-    second_moment: torch.Tensor, n_rows: int, where: str, solver: str = "fast"
+    second_moment: torch.Tensor, n_rows: int, where: str, solver: str = "fast", flag: bool = False
 ) -> tuple[float, str | None, int]:
-    """``(sigma_min, reason, dense_fallbacks)`` of one point."""
+    """``(sigma_min, reason, dense_fallbacks)`` of one point; ``flag``: a point whose rows do
+    not span gets the reason ``"rank_deficient"``."""
     check_solver(solver, where)
     s = square_matrix(second_moment, where, "second_moment")
     n = row_count(n_rows, where)
@@ -126,7 +127,7 @@ def _sigma_min(
         return _NAN, "eigh_failed", fallbacks
     # S is PSD: a negative bottom eigenvalue is rounding (a few ulps of lambda_d), read as 0.
     # The rows do not span when lambda_1 <= RANK_TOL ||S||_F: a finite sigma_min, flagged.
-    spans = low > RANK_TOL * float(torch.linalg.matrix_norm(s))
+    spans = not flag or low > RANK_TOL * float(torch.linalg.matrix_norm(s))
     return math.sqrt(max(low, 0.0)), None if spans else RANK_DEFICIENT, fallbacks
 
 
@@ -284,6 +285,7 @@ def sigma_min_profile(
     *,
     solver: str = "fast",
     placement: str = "pre",
+    anchor: bool = False,
 ) -> SigmaMinProfile:
     """``sigma_min``, cumulative ratio and step at every residual point, in forward order.
 
@@ -297,6 +299,10 @@ def sigma_min_profile(
         placement: ``"pre"`` (default) or ``"post"``: with post-norm blocks the points are no
             identity-skip stream, so every ratio and step is NaN with reason ``"post_norm"``
             (the ``sigma_min`` values are still given).
+        anchor: flag points whose rows do not span (reason ``"rank_deficient"``) and read the
+            cumulative ratios against the first point that does (:class:`SigmaMinProfile`).
+            Off by default: the monitors and ``normscope scan`` do not use it yet (issue 33's
+            wiring), so their profiles read against ``p_0`` as before.
 
     Returns:
         A :class:`SigmaMinProfile`. When ``p_0``'s ``sigma_min`` is NaN (or 0) every ratio and
@@ -330,7 +336,10 @@ def sigma_min_profile(
     if not names:
         return SigmaMinProfile((), _NAN, None, "no_points")
 
-    reads = [_sigma_min(s, n, "sigma_min_profile", solver) for s, n in zip(second_moments, n_rows)]
+    reads = [
+        _sigma_min(s, n, "sigma_min_profile", solver, flag=anchor)
+        for s, n in zip(second_moments, n_rows)
+    ]
     return profile_from_sigmas(
         names,
         sublayers,
