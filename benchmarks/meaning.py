@@ -105,7 +105,7 @@ def delta_gamma_table(root: str) -> None:
         "| control depth | depth_sd | random-gain v* depth | mean direction 1/sqrt(d) depth "
         "| v* on rotated data | delta_gamma v* | delta_gamma control |"
     )
-    print("|" + "---|" * 14)
+    print("|" + "---|" * 13)
     for (d, step, first), vals in sorted(rows.items()):
         cols = list(zip(*vals))
         print(
