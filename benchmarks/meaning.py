@@ -105,7 +105,7 @@ def delta_gamma_table(root: str) -> None:
         "| control depth | depth_sd | random-gain v* depth | mean direction 1/sqrt(d) depth "
         "| v* on rotated data | delta_gamma v* | delta_gamma control |"
     )
-    print("|" + "---|" * 14)
+    print("|" + "---|" * 13)
     for (d, step, first), vals in sorted(rows.items()):
         cols = list(zip(*vals))
         print(
@@ -214,6 +214,33 @@ def retention_table(root: str) -> None:
         )
 
 
+def bottom_subspace_table(root: str) -> None:
+    """The brief's candidate: how the stream changes along S_{k-1}'s bottom-k eigenvectors U,
+    lambda_min(L^-1/2 U^T S_k U L^-1/2) (L the bottom eigenvalues): below 1, the sublayer
+    shrinks the stream along its weakest directions."""
+    print("\n## 3b. the stream along S_{k-1}'s bottom eigenvectors, healthy against cancelling")
+    healthy, cancelling = defaultdict(list), defaultdict(list)
+    for meta, z in snapshots(root):
+        for k in range(1, len(z["names"])):
+            sp, sk = z[f"S{k - 1}"], z[f"S{k}"]
+            lam, u = np.linalg.eigh((sp + sp.T) / 2)
+            if lam[0] <= RANK_TOL * np.linalg.norm(sp):
+                continue
+            bad = meta["cancel_at"] is not None and meta["step"] >= meta["cancel_at"]
+            for kb in (1, 4, 8):
+                ub, scale = u[:, :kb], 1 / np.sqrt(lam[:kb])
+                a = scale[:, None] * (ub.T @ sk @ ub) * scale[None, :]
+                low = np.linalg.eigvalsh((a + a.T) / 2)[0]
+                (cancelling if bad and k == CANCEL_POINT else healthy)[kb].append(low)
+    for kb in (1, 4, 8):
+        h, c = np.array(healthy[kb]), np.array(cancelling[kb])
+        print(
+            f"  bottom {kb}: healthy min {h.min():.3g} (median {np.median(h):.3g}, "
+            f"{len(h)} sublayers); cancelling {c.min():.3g} .. {c.max():.3g} "
+            f"(median {np.median(c):.3g}, {len(c)})"
+        )
+
+
 def anchor_table(root: str) -> None:
     """The demo's entry point at d = 256: 4,096 rows of ~75 distinct bytes + 64 positions."""
     print("\n## 4. rank-deficient entry: cumulative ratios against p_0 and against the anchor")
@@ -293,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
         delta_gamma_table(args.runs)
     if args.only in (None, "retention"):
         retention_table(args.runs)
+    if args.only in (None, "retention"):
+        bottom_subspace_table(args.runs)
     if args.only in (None, "anchor"):
         anchor_table(args.runs)
     if args.only in (None, "minilm"):

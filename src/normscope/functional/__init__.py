@@ -1,6 +1,11 @@
 """Pure math on tensors: accumulators and reads (docs/metrics.md). No hooks, no Lightning, no logging."""
 
-from normscope.functional.cancellation import StreamingCrossMoment, no_cancellation_margin
+from normscope.functional.cancellation import (
+    RetentionRead,
+    StreamingCrossMoment,
+    no_cancellation_margin,
+    sublayer_retention,
+)
 from normscope.functional.covariance import (
     StreamingCovariance,
     symmetric_eigh,
@@ -19,6 +24,7 @@ from normscope.functional.dead_direction import (
     schur_quotient,
 )
 from normscope.functional.depth import DepthRead, direction_depth
+from normscope.functional.kernel import centring_residual
 from normscope.functional.moments import DiagonalMoment
 from normscope.functional.premise import PLACEMENTS, POST_NORM
 from normscope.functional.profile import (
@@ -32,9 +38,10 @@ __all__ = ["DiagonalMoment", "StreamingCovariance", "symmetric_eigh", "symmetric
 __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "kernel_read"]
 __all__ += ["predicted_kernel", "rmsnorm_alignment_max", "rows_comparable", "schur_quotient"]
 __all__ += ["StreamingCrossMoment", "no_cancellation_margin"]
+__all__ += ["RetentionRead", "sublayer_retention"]
 __all__ += ["ProfilePoint", "SigmaMinProfile", "sigma_min"]
 __all__ += ["sigma_min_profile"]
-__all__ += ["DepthRead", "direction_depth", "PLACEMENTS", "POST_NORM"]
+__all__ += ["DepthRead", "direction_depth", "PLACEMENTS", "POST_NORM", "centring_residual"]
 
 from normscope.functional.sign_magnitude import (  # noqa: E402
     OutlierRead,
