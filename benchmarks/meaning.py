@@ -252,9 +252,7 @@ def anchor_table(root: str) -> None:
         names = [str(x) for x in z["names"]]
         moments = [t(z[f"S{k}"]) for k in range(len(names))]
         n = int(z["n_rows"])
-        prof = sigma_min_profile(
-            names, moments, [n] * len(names), [None] * len(names), anchor=True
-        )
+        prof = sigma_min_profile(names, moments, [n] * len(names), [None] * len(names), anchor=True)
         lam = np.linalg.eigvalsh(z["S0"])
         live = int((lam > 1e-10 * lam[-1]).sum())
         s0 = math.sqrt(max(lam[0], 0.0))

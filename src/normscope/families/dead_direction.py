@@ -1362,14 +1362,18 @@ def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -
         parts.append(f"sigma_min_ratio_min {format(profile.sigma_min_ratio_min, '.4g')}{where}")
     ln = [n for n in report.norms.values() if n.kind == "layernorm" and n.gamma.dead_channels == 0]
     if ln:
-        parts.append(f"gamma_alignment_min {format(min(n.kernel.gamma_alignment for n in ln), '.6f')}")
+        parts.append(
+            f"gamma_alignment_min {format(min(n.kernel.gamma_alignment for n in ln), '.6f')}"
+        )
     deltas = [
         n.schur.delta_gamma for n in report.norms.values() if math.isfinite(n.schur.delta_gamma)
     ]
     if deltas:
         parts.append(f"Delta_gamma max {format(max(deltas), '.4g')}")
     if report.sources:
-        per = ", ".join(f"{name} {format(p.sigma_min_ratio_min, '.4g')}" for name, p in report.sources.items())
+        per = ", ".join(
+            f"{name} {format(p.sigma_min_ratio_min, '.4g')}" for name, p in report.sources.items()
+        )
         collapses = report.collapses
         verdict = (
             f"; {collapses[0].kind} collapse at {key_path(collapses[0].point)}" if collapses else ""
