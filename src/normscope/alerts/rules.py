@@ -868,6 +868,54 @@ class SourceCollapseRule:
 # ============================================================================
 
 
+class NonFiniteRule:
+    """Non-finite activations: a read whose window dropped NaN or Inf rows
+    (``dd/rows_rejected > 0``). Such a window is read at once, never deferred for rows (the
+    monitor's schedule), so this fires at the first read that saw them; once per episode (it
+    re-arms after a read without them). The run is usually lost by then (a NaN loss); the alert
+    says where the rows came from and when.
+
+    Example::
+
+        >>> rule = NonFiniteRule()
+        >>> [a.rule for a in rule.evaluate({"dd/rows_rejected": 96.0}, 40)]
+        ['non_finite_rows']
+        >>> rule.evaluate({"dd/rows_rejected": 512.0}, 50)  # the same episode
+        []
+    """
+
+    name = "non_finite_rows"
+
+    def __init__(self) -> None:
+        self.firing = False
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
+        value = metrics.get("dd/rows_rejected", 0.0)
+        if not (value > 0):  # 0, or not logged
+            self.firing = False
+            return []
+        if self.firing:
+            return []
+        self.firing = True
+        return [
+            Alert(
+                self.name,
+                "dd/rows_rejected",
+                step,
+                float(value),
+                0.0,
+                f"non-finite activations at step {step}: {value:.0f} rows with NaN or Inf were "
+                "dropped from the read (the loss and the weights are likely non-finite too)",
+            )
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"firing": self.firing}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.firing = bool(state.get("firing", False))
+
+
 def default_dead_direction_rules(
     kinds: Mapping[str, str],
     sublayers: Mapping[str, str | None] | None,
@@ -876,12 +924,14 @@ def default_dead_direction_rules(
     sigma_rule: SigmaMinRatioRule | None = None,
     kernel_rule: KernelLossRule | None = None,
     kernel: bool = True,
+    nonfinite: bool = True,
 ) -> list[Any]:
     """The default rules of :class:`~normscope.adapters.lightning.DeadDirectionMonitor`, in the order
     they are evaluated: a :class:`SigmaMinRatioRule` (``SigmaMinRatioRule()`` unless
     ``sigma_rule``), a :class:`KernelLossRule` (``KernelLossRule()`` unless ``kernel_rule``;
     none with ``kernel=False``), then with ``sources`` a :class:`SourceCollapseRule` on the
-    sigma rule. The monitor, ``normscope scan`` and ``normscope report`` all build theirs here.
+    sigma rule, then a :class:`NonFiniteRule` (none with ``nonfinite=False``). The monitor,
+    ``normscope scan`` and ``normscope report`` all build theirs here.
 
     ``kinds`` maps norm paths to their declared kind (the kernel rule's ``kinds``);
     ``sublayers`` maps the residual points, in depth order, to their sublayer (the sigma and
@@ -892,10 +942,10 @@ def default_dead_direction_rules(
 
         >>> rules = default_dead_direction_rules({"ln_f": "layernorm"}, {"h.0": "attn"})
         >>> [r.name for r in rules]
-        ['sigma_min_collapse', 'layernorm_kernel_lost']
+        ['sigma_min_collapse', 'layernorm_kernel_lost', 'non_finite_rows']
         >>> [r.name for r in default_dead_direction_rules({}, {}, sources=True, kernel=False)]
-        ['sigma_min_collapse', 'source_collapse']
-        >>> [r.name for r in default_dead_direction_rules({}, None, sources=True)]
+        ['sigma_min_collapse', 'source_collapse', 'non_finite_rows']
+        >>> [r.name for r in default_dead_direction_rules({}, None, sources=True, nonfinite=False)]
         ['layernorm_kernel_lost']
     """
     rules: list[Any] = []
@@ -911,4 +961,6 @@ def default_dead_direction_rules(
         by_source = SourceCollapseRule(sigma)
         by_source.sublayers = sigma.sublayers
         rules.append(by_source)
+    if nonfinite:
+        rules.append(NonFiniteRule())
     return rules

@@ -92,6 +92,7 @@ class Family(Protocol):
     def close(self) -> None: ...
     def rows(self) -> torch.Tensor: ...
     def rows_needed(self, rules: Sequence[Any]) -> int: ...
+    def rejected(self) -> torch.Tensor: ...
     def read(self, step: int, *, distributed: bool) -> Any: ...
     # with ``supports_async``: the read in three parts, the middle one on the worker thread
     def take(self, step: int, *, distributed: bool, swap: bool) -> Any: ...
@@ -297,6 +298,7 @@ class Monitor:
         self._warned: set[str] = set()
         self._skipped: set[int] = set()  # targets that failed
         self._failed_rules: set[int] = set()
+        self._published: set[str] = set()  # every key a read has published
         # schedule
         self._baseline_step = 0  # 1 on a compiled model: see taps.hooks.compiled
         self._deferred = 0
@@ -474,10 +476,10 @@ class Monitor:
         if not self._in_window(completed):
             self._clock(plain=not published)
             return result
-        have, peers_failed = self._peers_failed(family.rows())
+        have, rejected, peers_failed = self._peers_failed(family.rows(), family.rejected())
         if peers_failed:
             return result
-        if not self._enough_rows(have):
+        if not rejected and not self._enough_rows(have):
             self._deferred += 1
             self._clock(plain=False)
             return result  # keep the window open one more optimiser step
@@ -650,7 +652,13 @@ class Monitor:
                     f"metrics and the other loggers are not affected ({type(err).__name__}: "
                     f"{err})",
                 )
-        self._result.metrics.update(named_metrics(metrics, self.name))
+        named = named_metrics(metrics, self.name)
+        # a key an earlier read published and this one lacks is NaN, never a stale value (a
+        # Trainer's callback_metrics keep every key: EarlyStopping and ModelCheckpoint read them)
+        for key in self._published - named.keys():
+            named[key] = math.nan
+        self._published |= named.keys()
+        self._result.metrics.update(named)
         fired: list[Any] = []
         for rule in self.rules:
             if id(rule) in self._failed_rules:
@@ -789,25 +797,34 @@ class Monitor:
         )
 
     # ------------------------------------------------------------------ ranks in step
-    def _handshake(self, rows: torch.Tensor, *, failed: bool) -> tuple[float, bool]:
-        """The first collective of every window's end, on every rank: the global sum of
-        ``rows`` and whether any rank's monitor has failed."""
+    def _handshake(
+        self, rows: torch.Tensor, rejected: torch.Tensor, *, failed: bool
+    ) -> tuple[float, float, bool]:
+        """The first collective of every window's end, on every rank: the global sums of
+        ``rows`` and of the non-finite ``rejected`` rows, and whether any rank's monitor has
+        failed."""
         flags = torch.stack(
             [
                 rows.to(device=self.device, dtype=torch.float64).reshape(()),
+                rejected.to(device=self.device, dtype=torch.float64).reshape(()),
                 torch.tensor(float(failed), dtype=torch.float64, device=self.device),
             ]
         )
-        total, failures = _sum(flags).tolist()
+        total, bad, failures = _sum(flags).tolist()
         self._handshake_step = self._step_at_begin
-        return total, failures > 0
+        return total, bad, failures > 0
 
-    def _peers_failed(self, rows: torch.Tensor) -> tuple[float, bool]:
-        """The handshake of a healthy rank at a window's end: ``(global rows, stop)``; on
-        ``stop`` (a peer failed) this monitor is disabled too. One process: no collective."""
+    def _peers_failed(
+        self, rows: torch.Tensor, rejected: torch.Tensor
+    ) -> tuple[float, float, bool]:
+        """The handshake of a healthy rank at a window's end: ``(global rows, global
+        non-finite rows, stop)``; on ``stop`` (a peer failed) this monitor is disabled too. One
+        process: no collective (one host sync, the window's end)."""
         if world_size() <= 1:
-            return float(rows), False
-        total, peer_failed = self._handshake(rows, failed=False)
+            pair = torch.stack([rows.to(torch.float64), rejected.to(rows.device, torch.float64)])
+            total, bad = pair.tolist()
+            return total, bad, False
+        total, bad, peer_failed = self._handshake(rows, rejected, failed=False)
         if peer_failed:
             self._owes_handshake = False
             self._disable(
@@ -815,7 +832,7 @@ class Monitor:
                 "reading at the same step so that their collectives stay in step",
                 warn=_rank_zero(),
             )
-        return total, peer_failed
+        return total, bad, peer_failed
 
     def _keep_in_step(self, phase: str, *args: Any) -> None:
         """While disabled (and right after a failure): take part in the one handshake or vote
@@ -837,7 +854,8 @@ class Monitor:
                     return
                 if self._handshake_step != completed:
                     self._owes_handshake = False
-                    self._handshake(torch.zeros((), dtype=torch.float64), failed=True)
+                    zero = torch.zeros((), dtype=torch.float64)
+                    self._handshake(zero, zero, failed=True)
                 elif self.stop_on_alert and self._stop_decided_step != completed:
                     # failed after this window's handshake: vote "no" in the read's stop
                     self._stop_decided_step = completed

@@ -345,6 +345,18 @@ class DeadDirectionTracker:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([c.to(counts[0].device) for c in counts]).min()
 
+    def max_rejected(self) -> torch.Tensor:
+        """Most NaN/Inf rows dropped by one live tap in this window, as a float64 device tensor
+        (no host sync): a window with any is read at once, never deferred for rows."""
+        found = [
+            t.accumulator.rejected_tensor
+            for t in self.taps.taps.values()
+            if t.failed is None and hasattr(t.accumulator, "rejected_tensor")
+        ]
+        if not found:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack([r.to(found[0].device, torch.float64) for r in found]).max()
+
     def read(
         self, step: int = 0, *, reduce: bool = True, reset: bool = True
     ) -> DeadDirectionReport:
@@ -1229,6 +1241,11 @@ class DeadDirectionFamily:
         """The window's smallest row count over the live taps (a device tensor)."""
         assert self.tracker is not None
         return self.tracker.min_rows()
+
+    def rejected(self) -> torch.Tensor:
+        """The window's NaN/Inf rows: the most any live tap dropped (a device tensor)."""
+        assert self.tracker is not None
+        return self.tracker.max_rejected()
 
     def rows_needed(self, rules: Sequence[Any]) -> int:
         """``min_rows_per_dim * d`` rows when the sigma rule decides, else ``2 d``."""

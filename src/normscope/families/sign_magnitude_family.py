@@ -153,6 +153,9 @@ class SignMagnitudeFamily:
     def rows_needed(self, rules: Sequence[Any]) -> int:
         return 0
 
+    def rejected(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float64)
+
     # ------------------------------------------------------------ the read
     def read(self, step: int, *, distributed: bool) -> SignMagnitudeReport:
         """Parameter, outlier and probe reads (the moments summed over the ranks first)."""

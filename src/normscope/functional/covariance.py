@@ -130,6 +130,11 @@ class StreamingCovariance:
         return self._n
 
     @property
+    def rejected_tensor(self) -> torch.Tensor:
+        """:attr:`rows_rejected` as an int64 device scalar (no host sync)."""
+        return self._rejected
+
+    @property
     def mean(self) -> torch.Tensor:
         """The running mean ``mu``, float64, shape ``(d,)``."""
         return self._mean
