@@ -27,7 +27,14 @@ def test_rules_are_saved_by_name_with_a_suffix_for_a_repeated_name():
         rules=[CountRule("a", 1), CountRule("b", 2), CountRule("a", 3)], verbose=False, alerts=()
     )
     rules = monitor.state_dict()["rules"]
-    assert list(rules) == ["sigma_min_collapse", "layernorm_kernel_lost", "a", "b", "a#2"]
+    assert list(rules) == [
+        "sigma_min_collapse",
+        "layernorm_kernel_lost",
+        "non_finite_rows",
+        "a",
+        "b",
+        "a#2",
+    ]
     assert [rules[k]["count"] for k in ("a", "b", "a#2")] == [1, 2, 3]
 
 
