@@ -166,3 +166,14 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 @pytest.mark.parametrize("floor", [p for prefixes in FLOORS for p in prefixes])
 def test_each_floor_exists(floor):
     assert floor in _modules(), f"{floor} is named in FLOORS but is not a module"
+
+
+def test_the_engine_and_the_floors_below_it_import_no_trainer():
+    """A plain loop uses the engine without Lightning, transformers or W&B being imported."""
+    code = (
+        "import sys, normscope.engine, normscope.families, normscope.taps, normscope.alerts\n"
+        "print(sorted(m for m in ('lightning', 'transformers', 'wandb') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout
