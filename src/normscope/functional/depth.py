@@ -37,7 +37,7 @@ import torch
 from normscope.functional.covariance import symmetric_eigh
 from normscope.functional.gamma import GammaRead, resolve_gamma, row_count, square_matrix
 from normscope.functional.kernel import DECLARED_KINDS
-from normscope.functional.premise import POST_NORM, check_placement
+from normscope.functional.premise import check_placement, input_read_reason
 
 __all__ = ["DepthRead", "direction_depth", "spectral_depth"]
 
@@ -199,16 +199,9 @@ def direction_depth(
     def empty(reason: str, live: int = 0) -> DepthRead:
         return DepthRead(_NAN, _NAN, _NAN, _NAN, _NAN, _NAN, live, _NAN, n, reason, d)
 
-    if placement == "post":
-        return empty(POST_NORM)
-    if declared_kind == "rmsnorm":
-        return empty("no_gamma_kernel")
-    if g.reason is not None:  # non_finite_gamma or dead_channels: no v*
-        return empty(g.reason)
-    if n < 2 * d:
-        return empty("insufficient_rows")
-    if not bool(torch.isfinite(c).all()):
-        return empty("non_finite_covariance")
+    reason = input_read_reason(placement, declared_kind, g.reason, n, c)
+    if reason is not None:
+        return empty(reason)
     try:
         evals, evecs = symmetric_eigh(c)
     except RuntimeError:

@@ -16,7 +16,9 @@ Who decides the placement is the caller (the taps find it); these reads only acc
 
 from __future__ import annotations
 
-__all__ = ["PLACEMENTS", "POST_NORM", "check_placement"]
+import torch
+
+__all__ = ["PLACEMENTS", "POST_NORM", "check_placement", "input_read_reason"]
 
 PLACEMENTS = ("pre", "post")
 POST_NORM = "post_norm"
@@ -33,3 +35,36 @@ def check_placement(placement: object, where: str) -> str:
     if placement not in PLACEMENTS:
         raise ValueError(f"{where}: placement must be one of {PLACEMENTS}, got {placement!r}")
     return placement  # type: ignore[return-value]
+
+
+def input_read_reason(
+    placement: str,
+    declared_kind: str | None,
+    gamma_reason: str | None,
+    n_rows: int,
+    covariance: torch.Tensor,
+) -> str | None:
+    """Why a read of ``v*`` in a norm's input covariance (``schur_quotient``,
+    ``direction_depth``) has no value, or None when it has one: ``"post_norm"``,
+    ``"no_gamma_kernel"`` (an RMSNorm), the gamma's own reason (``non_finite_gamma``,
+    ``dead_channels``), ``"insufficient_rows"`` (``n_rows < 2 d``),
+    ``"non_finite_covariance"``, checked in that order.
+
+    Example::
+
+        >>> input_read_reason("pre", "rmsnorm", None, 64, torch.eye(4))
+        'no_gamma_kernel'
+        >>> input_read_reason("pre", "layernorm", None, 4, torch.eye(4)) is None
+        False
+    """
+    if placement == "post":
+        return POST_NORM
+    if declared_kind == "rmsnorm":
+        return "no_gamma_kernel"
+    if gamma_reason is not None:  # non_finite_gamma or dead_channels: no v*
+        return gamma_reason
+    if n_rows < 2 * covariance.shape[0]:
+        return "insufficient_rows"
+    if not bool(torch.isfinite(covariance).all()):
+        return "non_finite_covariance"
+    return None

@@ -11,7 +11,7 @@ import torch
 from normscope.functional.covariance import symmetric_eigh
 from normscope.functional.gamma import GammaRead, resolve_gamma, row_count, square_matrix
 from normscope.functional.kernel import DECLARED_KINDS
-from normscope.functional.premise import POST_NORM, check_placement
+from normscope.functional.premise import check_placement, input_read_reason
 
 __all__ = ["SchurRead", "deepening", "rows_comparable", "schur_quotient"]
 
@@ -158,16 +158,9 @@ def schur_quotient(
     def empty(reason: str) -> SchurRead:
         return SchurRead(_NAN, _NAN, reason, n, delta_reason=reason)
 
-    if placement == "post":
-        return empty(POST_NORM)
-    if declared_kind == "rmsnorm":
-        return empty("no_gamma_kernel")
-    if g.reason is not None:  # non_finite_gamma or dead_channels: no v*
-        return empty(g.reason)
-    if n < 2 * d:
-        return empty("insufficient_rows")
-    if not bool(torch.isfinite(c).all()):
-        return empty("non_finite_covariance")
+    reason = input_read_reason(placement, declared_kind, g.reason, n, c)
+    if reason is not None:
+        return empty(reason)
     trace = float(torch.trace(c))
     if not trace > 0:
         return empty("zero_covariance")
