@@ -5,8 +5,8 @@ complement moves with the row count.
     python benchmarks/fidelity.py                 # about 2-4 min on one CPU thread
 
 1. The demo GPT (examples/nanogpt.py, data from examples/data.py, 4 x 128, LayerNorm, batch 32 x 64 = 2048 rows a read)
-   trained with DeadDirectionMonitor, reads at steps 1, 10, 20, 30, 50: Delta_gamma and
-   deepening per layer (new definition) and 1 - R_q (version 1's Delta_gamma).
+   trained with DeadDirectionMonitor, reads at steps 1, 10, 20, 30, 50: Delta_gamma and its
+   random-direction control per layer (issue 33's definition) and 1 - R_q (version 1's).
 2. The same run with the cancelling MLP branch of block 2 switched on at step 25: the margin at
    every point, at the read of step 50, against the healthy run's.
 3. torch's LayerNorm / RMSNorm at d = 32 .. 1024 with uneven gammas: the largest LayerNorm
@@ -52,12 +52,12 @@ def fit(steps: int, every: int, cancel_at: int | None) -> tuple[list, LitGPT]:
 
 
 def delta_gamma_table(seen: list) -> None:
-    print("\n## 1. Delta_gamma (new) / deepening / 1 - R_q (old) on the deep layers")
-    print("| step | Delta_gamma min-max | deepening min-max | 1 - R_q min-max |")
+    print("\n## 1. Delta_gamma / its random-direction control / 1 - R_q on the deep layers")
+    print("| step | Delta_gamma min-max | control min-max | 1 - R_q min-max |")
     print("|---:|---|---|---|")
     for step, m in seen:
         dg = [m[f"{PREFIX}{k}/delta_gamma"] for k in DEEP]
-        dp = [m[f"{PREFIX}{k}/deepening"] for k in DEEP]
+        dp = [m[f"{PREFIX}{k}/delta_gamma_control"] for k in DEEP]
         old = [1 - m[f"{PREFIX}{k}/schur_quotient"] for k in DEEP]
         print(
             f"| {step} | {min(dg):.4f}-{max(dg):.4f} | {min(dp):.3g}-{max(dp):.3g} | "

@@ -140,13 +140,11 @@ def test_bf16_autocast_on_cpu(tmp_path):
     assert math.isfinite(float(last["dd/sigma_min_ratio_min"]))
 
 
-def test_resume_continues_steps_and_keeps_baselines(tmp_path):
+def test_resume_continues_steps(tmp_path):
     torch.manual_seed(0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     first = DeadDirectionMonitor(every_n_steps=2, verbose=False)
     fit(tmp_path, LitTiny(), first, steps=4, callbacks=[ckpt], enable_checkpointing=True)
-    baselines = dict(first.tracker.baselines)
-    assert baselines
     second = DeadDirectionMonitor(every_n_steps=2, verbose=False)
     trainer = L.Trainer(
         max_steps=8,
@@ -162,7 +160,6 @@ def test_resume_continues_steps_and_keeps_baselines(tmp_path):
         train_dataloaders=token_loader(),
         ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"),
     )
-    assert second.tracker.baselines == baselines
     steps = [int(r["step"]) for r in rows_with(read_csv(trainer), "dd/sigma_min_ratio_min")]
     assert steps and min(steps) > 4 and steps == sorted(steps)
     assert second.reads == first.reads + len(steps)

@@ -125,7 +125,6 @@ def test_checkpoint_resumes_each_monitor_with_its_own_state(tmp_path):
     # each restored its own counters, then read on: fast at 8 and 10, slow at 9
     assert [m.reads for m in second] == [5, 4]
     assert [m.last_read_step for m in second] == [10, 9]
-    assert all(m.tracker.baselines for m in second)
 
 
 def test_rules_see_canonical_keys_and_alerts_name_the_monitor(tmp_path):

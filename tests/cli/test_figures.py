@@ -204,11 +204,19 @@ def test_report_figures(reports, kind: str) -> None:
     if kind in RMS_ONLY:
         assert not any(lab.startswith("LayerNorm") for lab in align["labels"])
         assert "no kernel by design" in align["titles"]
-        # Delta_gamma and deepening are LayerNorm reads: nothing to draw, and the report says so
+        # Delta_gamma and its control are LayerNorm reads: nothing to draw, and the report says so
         assert "schur.png" not in written
         assert any(n.startswith("schur.png not written") for n in result["notes"])
     else:
-        assert "LayerNorm: 1e-4 alert" in align["labels"] and "schur.png" in written
+        assert "LayerNorm: 1e-4 alert" in align["labels"]
+    if kind == "post-norm":  # no premise for Delta_gamma: nothing to draw, said in words
+        assert "schur.png" not in written
+        assert any(
+            n.startswith("schur.png not written") and "post_norm" in n for n in result["notes"]
+        )
+        assert any(n.startswith("post-norm run") for n in result["notes"])
+    elif kind not in RMS_ONLY:
+        assert "schur.png" in written
     for file in ("sigma_min_over_steps.png", "sigma_min_profile.png"):
         thresholds = [lab for lab in seen[file]["labels"] if "threshold" in lab]
         assert bool(thresholds) == (kind != "post-norm"), file
@@ -219,42 +227,49 @@ def test_report_figures(reports, kind: str) -> None:
 
 def test_rank_deficient_scan_says_what_happened_and_what_to_pass(scans) -> None:
     """A checkpoint without a tokenizer, scanned on UTF-8 bytes: fewer distinct tokens than its
-    width, so sigma_min(p_0) = 0 and no cumulative ratio exists. The scan says so in words and
-    names what to pass; the figure draws the step ratios, which are defined."""
+    width, so sigma_min(p_0) = 0. The cumulative ratios are read against the first point whose
+    rows span (issue 33: before it, every ratio was undefined and the summary read ``nan``);
+    the scan says so in words and names what to pass; the figure is drawn."""
     figures, result, stdout, _ = scans["rank-deficient"]
-    assert result["profile"][0]["sigma_min"] == 0
-    assert all(p["sigma_min_ratio"] is None for p in result["profile"][1:])
+    profile = result["profile"]
+    assert profile[0]["sigma_min"] == 0 and profile[0]["sigma_min_ratio"] is None
+    anchor = next(k for k, p in enumerate(profile) if p["sigma_min_ratio"] is not None)
+    assert anchor >= 1 and profile[anchor]["sigma_min_ratio"] == 1.0
+    assert all(isinstance(p["sigma_min_ratio"], float) for p in profile[anchor:])
     summary = next(line for line in stdout.splitlines() if line.startswith("sigma_min_ratio_min"))
-    assert summary.startswith("sigma_min_ratio_min undefined (sigma_min(p_0) = 0 at ")
+    assert "nan" not in summary and " at " in summary
     note = next(n for n in result["notes"] if n.startswith("sigma_min(p_0) = 0"))
     assert "distinct token ids as UTF-8 bytes" in note and "pass its tokenizer" in note
+    assert f"read against {profile[anchor]['name']}" in note
+    assert any("do not span" in n and "profile_anchor_depth" in n for n in result["notes"])
     distinct = int(note.split("The text gave ")[1].split()[0])
     assert distinct < 128  # the width: why the rank falls short
-    profile = figures["sigma_min_profile.png"].axes[0]
-    assert "sigma_min(p_0) = 0" in profile.get_title()
-    assert "step ratio sigma_min(p_k)/sigma_min(p_k-1)" in profile.get_legend_handles_labels()[1]
+    ax = figures["sigma_min_profile.png"].axes[0]
+    assert _data_lines(ax) >= 1  # never blank
 
 
 def test_rank_deficient_report_draws_step_ratios_and_says_why(reports) -> None:
+    """The run of that model: every read anchored past p_0 (``dd/profile_anchor_depth``), so
+    ``sigma_min_ratio_min`` is a number; the report says why and its plots are drawn."""
     figures, result, _, _ = reports["rank-deficient"]
-    assert all(r["sigma_min_ratio_min"] == "nan" for r in result["reads"])
+    assert all(r["sigma_min_ratio_min"] != "nan" for r in result["reads"])
+    assert any("profile_anchor_depth" in n for n in result["notes"])
     for file in ("sigma_min_over_steps.png", "sigma_min_profile.png"):
         ax = figures[file].axes[0]
-        assert "sigma_min(p_0) = 0" in ax.get_title(), file
-        assert _data_lines(ax) >= 3, file  # the points after p_0's first block
+        assert _data_lines(ax) >= 3, file  # the points after the anchor
     steps = [lab for lab in figures["sigma_min_profile.png"].axes[0].get_legend_handles_labels()[1]
              if lab.startswith("step ")]  # fmt: skip
     assert steps == [f"step {s}" for s in (2, 4, 6, 8, 10)]
 
 
 def test_an_empty_panel_says_why(tmp_path: Path) -> None:
-    """A panel with nothing finite (an RMSNorm's Delta_gamma beside a LayerNorm's deepening
-    that was not read yet) says so in words; a figure with nothing at all is not written."""
+    """A panel with nothing finite (an RMSNorm's Delta_gamma beside a LayerNorm's control)
+    says so in words; a figure with nothing at all is not written."""
     from normscope.cli.norm_plots import plot_norm_metrics
 
-    reads = {2.0: {"dd/a/delta_gamma": math.nan, "dd/a/deepening": 1.2},
-             4.0: {"dd/a/delta_gamma": math.nan, "dd/a/deepening": 1.1}}  # fmt: skip
-    panels = [("delta_gamma", "Delta_gamma", False), ("deepening", "deepening", True)]
+    reads = {2.0: {"dd/a/delta_gamma": math.nan, "dd/a/delta_gamma_control": 0.02},
+             4.0: {"dd/a/delta_gamma": math.nan, "dd/a/delta_gamma_control": -0.01}}  # fmt: skip
+    panels = [("delta_gamma", "Delta_gamma", False), ("delta_gamma_control", "control", False)]
     with pytest.MonkeyPatch.context() as mp:
         figures = _caught(mp)
         path = plot_norm_metrics(
@@ -269,6 +284,6 @@ def test_an_empty_panel_says_why(tmp_path: Path) -> None:
         figures["s.png"].axes[0].get_xlim()[0] < 2.0 < 4.0 < figures["s.png"].axes[0].get_xlim()[1]
     )
     for values in reads.values():
-        values["dd/a/deepening"] = math.nan
+        values["dd/a/delta_gamma_control"] = math.nan
     assert plot_norm_metrics(reads, ["a"], panels, [], tmp_path / "n.png", title="t") is None
     assert not (tmp_path / "n.png").exists()

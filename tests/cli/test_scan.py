@@ -8,8 +8,10 @@ What a scan must get right, with docs/metrics.md's names:
   last one (``encoder.layer.5.output.LayerNorm``) shows dead channels 127, 223 and 319, the
   post-norm caveat is reported and no sigma_min alert is raised on a post-norm model.
 * The random-init twin is the same config built with ``from_config`` under the same seed: a
-  model saved at random init with seed 0 *is* its twin, so every ``deepening`` is exactly 1
-  and the twin's profile is the model's; another seed gives another twin.
+  model saved at random init with seed 0 *is* its twin, so every ``Delta_gamma`` and ratio is
+  the twin's; another seed gives another twin. ``Delta_gamma`` needs no twin (its control is
+  a random direction): with ``--baseline none`` it is still read; on post-norm MiniLM it is
+  NaN with the reason ``post_norm``, said in words.
 * The files: ``report.md`` (tables + image links), a self-contained ``report.html`` (every PNG
   embedded as base64, nothing fetched), strict ``report.json``, four PNGs of sensible size.
 """
@@ -60,20 +62,18 @@ def test_minilm_scan_reads_the_aligned_layernorms_and_the_dead_channels(minilm) 
         assert n["gamma_alignment"] >= 0.9999, name
         assert n["kernel_residual"] <= 1e-10, name
         assert n["norm_class"] == "layernorm-like", name
-        # Delta_gamma against the random-init twin: finite and < 1 (s > 0). Post-norm BERT's
-        # twin is a degenerate baseline: at init each LayerNorm reads the previous one's output
-        # (gamma = 1, so its kernel is v* = 1/sqrt(d) exactly) plus a small branch, so the
-        # twin's s is tiny and the trained model's Delta_gamma is negative (measured -0.6 to
-        # -43; the embeddings LayerNorm, which reads no LayerNorm output, 0.68).
-        assert math.isfinite(n["delta_gamma"]) and n["delta_gamma"] < 1.0, name
-        # deepening against the random-init twin: a finite positive number per layer, and the
-        # twin (random init, gamma = 1) has the exact kernel as well.
-        assert n["deepening"] > 0 and math.isfinite(n["deepening"]), name
+        # post-norm: a norm's input is a block's sum, not the residual stream, so Delta_gamma
+        # (v*'s depth in it) has no premise: NaN (null in JSON) with the reason post_norm (it
+        # read -0.89 to -40 against the twin before issue 33). The twin (random init, gamma = 1)
+        # has the exact kernel as well.
+        assert n["delta_gamma"] is None and n["delta_reason"] == "post_norm", name
+        assert n["delta_gamma_control"] is None, name
         assert n["baseline"]["gamma_alignment"] >= 0.9999, name
     last = norms[LAST_LN]
     assert last["dead_channels"] == 3 and last["dead_index"] == [127, 223, 319]
     assert last["norm_class"] == "indeterminate" and last["null_dim"] == 3
-    assert last["delta_gamma"] is None and last["deepening"] is None  # NaN -> null in JSON
+    assert last["delta_gamma"] is None  # NaN -> null in JSON
+    assert any("post-norm model" in n and "post_norm" in n for n in result["notes"])
     # the checkpoint's gamma, read with numpy: the same three channels are dead
     from safetensors.numpy import load_file
 
@@ -94,15 +94,17 @@ def test_minilm_scan_prints_the_table(minilm) -> None:
     code, stdout, _, out = minilm
     assert code == 0
     rows = {line.split()[0]: line.split() for line in stdout.splitlines() if line.strip()}
-    # norm rows: name kind spread dead gamma_align kernel_res norm_class Delta_g deepen
+    # norm rows: name kind spread dead gamma_align kernel_res norm_class Delta_g control
     emb = rows["embeddings.LayerNorm"]
     assert emb[1] == "layernorm" and emb[3] == "0" and emb[4] == "1.000000"
     assert emb[6] == "layernorm-like"
     last = rows[LAST_LN]
-    assert last[3] == "3" and last[6] == "indeterminate" and last[7] == "nan"
+    # post-norm: Delta_gamma has no premise, and the table says why instead of "nan"
+    assert last[3] == "3" and last[6] == "indeterminate" and last[7] == "post_norm"
+    assert emb[7] == "post_norm" and "post-norm model" in stdout
     head = next(line for line in stdout.splitlines() if line.startswith("norm layer"))
     for column in ("kind", "spread", "dead", "gamma_align", "kernel_res", "norm_class",
-                   "Delta_g", "deepen"):  # fmt: skip
+                   "Delta_g", "control"):  # fmt: skip
         assert column in head
     # the depth profile: every point with its sublayer, ratio 1 at p_0, and the twin's ratio
     profile_head = next(line for line in stdout.splitlines() if line.startswith("residual point"))
@@ -141,7 +143,8 @@ def test_minilm_scan_writes_the_report_files(minilm) -> None:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_random_init_checkpoint_is_its_own_twin(tmp_path: Path, arch: str) -> None:
-    """Saved at random init with seed 0, the model is exactly its seed-0 twin: deepening 1."""
+    """Saved at random init with seed 0, the model is exactly its seed-0 twin: the same
+    Delta_gamma and ratios."""
     model_dir = save_tiny(arch, tmp_path / arch)
     code, stdout, stderr = run_cli(
         "scan", model_dir, "--tokens", 1024, "--seq-len", 32, "--out", tmp_path / "out"
@@ -158,12 +161,12 @@ def test_random_init_checkpoint_is_its_own_twin(tmp_path: Path, arch: str) -> No
     assert len(result["norms"]) == 5  # 2 per block x 2 + the final norm
     for n in result["norms"]:
         if arch == "gpt2":  # LayerNorm: the exact kernel, at random init too
-            assert n["deepening"] == pytest.approx(1.0, abs=1e-12), n["name"]
-            assert n["delta_gamma"] == pytest.approx(0.0, abs=1e-12), n["name"]
+            assert n["delta_gamma"] == pytest.approx(n["baseline"]["delta_gamma"], rel=1e-12)
+            assert math.isfinite(n["delta_gamma_control"]), n["name"]
             assert n["kind"] == "layernorm" and n["gamma_alignment"] >= 0.9999
             assert n["kernel_residual"] <= 1e-10
         else:  # RMSNorm: v* is no kernel direction, so no Delta_gamma (NaN -> null)
-            assert n["deepening"] is None and n["delta_gamma"] is None, n["name"]
+            assert n["delta_gamma"] is None, n["name"]
             assert n["delta_reason"] == "no_gamma_kernel", n["name"]
             assert n["kind"] == "rmsnorm" and n["null_dim"] == 0
             assert n["kernel_residual"] > 1e-6 and n["norm_class"] != "layernorm-like"
@@ -194,8 +197,8 @@ def test_another_seed_is_another_twin_and_json_goes_to_stdout(tmp_path: Path) ->
     # one window) plus the discovery forward = 6
     for what in ("random-init twin", "checkpoint"):
         assert f"normscope: scanning the {what}:" in stderr and "/6 [" in stderr, stderr
-    deepening = [n["deepening"] for n in printed["norms"]]
-    assert all(d > 0 for d in deepening) and max(abs(d - 1) for d in deepening) > 1e-6
+    gaps = [abs(n["delta_gamma"] - n["baseline"]["delta_gamma"]) for n in printed["norms"]]
+    assert max(gaps) > 1e-6  # another twin reads otherwise
 
 
 def test_factory_model_with_text_file(tmp_path: Path) -> None:
@@ -215,7 +218,7 @@ def test_factory_model_with_text_file(tmp_path: Path) -> None:
     assert [n["name"] for n in result["norms"]] == ["h.0.ln_1", "h.0.ln_2", "h.1.ln_1",
                                                     "h.1.ln_2", "ln_f"]  # fmt: skip
     assert all(n["gamma_alignment"] >= 0.9999 for n in result["norms"])
-    assert all(math.isfinite(n["deepening"]) for n in result["norms"])
+    assert all(math.isfinite(n["delta_gamma"]) for n in result["norms"])
 
 
 def test_factory_with_its_own_tokenizer_and_a_short_text(tmp_path: Path) -> None:
@@ -234,10 +237,11 @@ def test_factory_with_its_own_tokenizer_and_a_short_text(tmp_path: Path) -> None
     assert result["data"]["tokens"] == 460  # one token per character, the binary file skipped
     assert any("ran out at 460 tokens" in n for n in result["notes"])
     assert result["model"]["tokenizer"] == "<lambda> (the factory's)"
-    # --baseline none: no twin, so no deepening and no twin profile
-    assert all(n["deepening"] is None and n["baseline"] is None for n in result["norms"])
+    # --baseline none: no twin and no twin profile; Delta_gamma needs none (its control is a
+    # random direction on the same spectrum)
+    assert all(n["baseline"] is None for n in result["norms"])
     assert all(
-        n["delta_gamma"] is None and n["delta_reason"] == "no_baseline" for n in result["norms"]
+        math.isfinite(n["delta_gamma"]) and n["delta_reason"] is None for n in result["norms"]
     )
     assert all(p["baseline_ratio"] is None for p in result["profile"])
     assert "baseline: none" in stdout

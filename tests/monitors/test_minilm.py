@@ -85,11 +85,11 @@ def test_every_layernorm_without_dead_channels_has_the_exact_kernel() -> None:
         assert norm.kernel.null_dim == 1, name
         assert norm.kernel.norm_class == "layernorm-like", name
         assert not norm.kernel.kind_mismatch, name
-        # The eigenvector quotient R_q of a trained model: dead directions of h overlap v*;
-        # 1 - R_q measured 0.91-0.9991 here. Only (0, 1) is a law. Delta_gamma needs a
-        # baseline: a scan without one is its own (0 exactly, deepening 1; issue 18).
-        assert 0.0 < 1.0 - norm.schur.schur_quotient < 1.0, name
-        assert norm.schur.delta_gamma == 0.0 and norm.deepening == 1.0, name
+        # Post-norm BERT: each norm's input is a block's sum, not the residual stream, so the
+        # reads of v* in it have no premise: NaN with the reason post_norm (before issue 33
+        # Delta_gamma read -0.89 to -40 here without a word).
+        assert norm.schur.reason == norm.depth.reason == "post_norm", name
+        assert math.isnan(norm.schur.schur_quotient) and math.isnan(norm.delta_gamma), name
     assert report.as_dict()["dd/gamma_alignment_min"] >= 0.9999
     assert report.rows_rejected == 0
 
@@ -113,7 +113,8 @@ def test_last_layernorm_has_dead_channels_that_span_the_kernel() -> None:
     assert kernel.reason == "dead_channels"
     # With dead channels both kinds have the e_i in their kernel: no class, so no mismatch.
     assert kernel.norm_class == "indeterminate" and not kernel.kind_mismatch
-    assert math.isnan(norm.schur.schur_quotient) and norm.schur.reason == "dead_channels"
+    # post-norm comes first among the reasons: the input reads have no premise at all here
+    assert math.isnan(norm.schur.schur_quotient) and norm.schur.reason == "post_norm"
     logged = report.as_dict()
     assert logged[f"dd/{LAST_LN}/dead_channels"] == 3.0
     assert logged[f"dd/{LAST_LN}/subspace_alignment"] == pytest.approx(1.0, abs=1e-9)

@@ -1,5 +1,6 @@
 """``profile_from_parts`` (a profile put together from points solved apart, as a read split
-across ranks does) equals ``sigma_min_profile`` on the same moments, NaN cases included."""
+across ranks does) equals ``sigma_min_profile(..., anchor=True)`` on the same moments, NaN cases and an anchor
+past a zero entry included."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ CASES = {
     "p0 unavailable": ([1.0, 0.9, 1.2], [5, 64, 64]),
     "single point": ([1.0], [64]),
     "a zero moment": ([1.0, 0.0, 1.0], [64, 64, 64]),
+    "a zero entry (anchored past it)": ([0.0, 1.0, 1.2], [64, 64, 64]),
     "non-finite": ([1.0, math.nan, 1.0], [64, 64, 64]),
 }
 
@@ -44,7 +46,7 @@ def test_parts_equal_the_whole_profile(case):
                dtype=torch.float64) for k, s in enumerate(scales)]  # fmt: skip
     names = [f"p{k}" for k in range(len(scales))]
     subs = [None] + ["attn"] * (len(scales) - 1)
-    whole = sigma_min_profile(names, moments, rows, subs)
+    whole = sigma_min_profile(names, moments, rows, subs, anchor=True)  # as the monitor reads
     points = [SimpleNamespace(name=n, sublayer=s) for n, s in zip(names, subs)]
     parts = profile_from_parts(points, [point_sigma(m, n) for m, n in zip(moments, rows)],
                                rows, [d] * len(rows))  # fmt: skip

@@ -39,7 +39,8 @@ POINTS_BY_STYLE = {"pre-norm": 5, "sandwich": 5, "parallel": 3, "post-norm": 3}
 PER_NORM_METRICS = {
     "dead_channels", "gamma_min", "gamma_max", "gamma_spread", "gamma_alignment",
     "kernel_residual", "null_dim", "subspace_alignment", "live_floor", "kind_mismatch",
-    "schur_quotient", "delta_gamma", "deepening", "n_rows",
+    "kernel_alignment", "schur_quotient", "schur_complement", "delta_gamma",
+    "delta_gamma_control", "depth", "depth_control", "depth_sd", "depth_z", "live_dim", "n_rows",
 }  # fmt: skip
 POINT_METRICS = {"sigma_min", "sigma_min_ratio", "sigma_min_step"}
 
@@ -234,7 +235,8 @@ def test_padding_is_excluded_through_attention_mask(arch: str) -> None:
     unmasked = scan_model(model, [half_padded(5, masked=False)]).as_dict()
     name = final_norm(padded)
     assert unmasked[f"dd/{name}/n_rows"] == 256
-    assert abs(unmasked[f"dd/{name}/schur_quotient"] / a[f"dd/{name}/schur_quotient"] - 1) > 1e-3
+    # (live_floor: read on every norm, post-norm BERT's too, where the input reads are NaN)
+    assert abs(unmasked[f"dd/{name}/live_floor"] / a[f"dd/{name}/live_floor"] - 1) > 1e-3
 
 
 def test_padded_reads_equal_the_unpadded_tokens_alone() -> None:
@@ -260,20 +262,21 @@ def test_padded_reads_equal_the_unpadded_tokens_alone() -> None:
         assert p.sigma_min == pytest.approx(q.sigma_min, rel=1e-6)
 
 
-def test_baseline_gives_deepening_and_the_model_is_left_as_found() -> None:
+def test_delta_gamma_stands_alone_and_the_model_is_left_as_found() -> None:
+    """Delta_gamma is v*'s depth in the norm's input beyond the typical direction (no baseline
+    read): two scans of the same batches give it bit for bit, beside a finite control; a scan
+    leaves no hook and restores the training flag."""
     model, _ = build_hf_model("gpt2")
     model.train()
     first = scan_model(model, batches_for("gpt2"))
-    later = scan_model(model, batches_for("gpt2", n_batches=6)[2:], baseline=first)
+    again = scan_model(model, batches_for("gpt2"))
     assert model.training  # scan_model runs in eval mode and restores the flag
     hooks = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
     assert hooks == []  # every hook removed
-    for name, norm in later.norms.items():
-        # deepening = s_baseline / s_now on the Schur complements (issue 18)
-        s0, s1 = first.norms[name].schur.schur_complement, norm.schur.schur_complement
-        assert first.norms[name].deepening == 1.0  # no baseline: the first read is its own
-        assert norm.deepening == pytest.approx(s0 / s1, rel=1e-12)
-        assert norm.schur.delta_gamma == pytest.approx(1 - s1 / s0, rel=1e-12)
+    for name, norm in again.norms.items():
+        assert norm.delta_gamma == first.norms[name].delta_gamma, name
+        assert math.isfinite(norm.delta_gamma) and math.isfinite(norm.depth.control_delta_gamma)
+        assert norm.depth.live_dim == norm.depth.dim and norm.depth.reason is None, name
     capped = scan_model(model, batches_for("gpt2"), max_rows_per_batch=20)
     assert all(n.n_rows == 4 * 20 for n in capped.norms.values())
 
@@ -293,7 +296,8 @@ def test_nan_gamma_reads_nan_with_a_reason() -> None:
     report = scan_model(model, batches_for("gpt2"))  # no exception
     norm = report.norms["transformer.ln_f"]
     assert norm.gamma.reason == "non_finite_gamma" and math.isnan(norm.gamma.gamma_min)
-    assert norm.schur.reason == "non_finite_gamma" and math.isnan(norm.schur.delta_gamma)
+    assert norm.schur.reason == "non_finite_gamma" and math.isnan(norm.delta_gamma)
+    assert norm.depth.reason == "non_finite_gamma"
     # Channel 3 of every output row is NaN, so every output row is dropped and counted: the
     # kernel read has no rows left, and says so first (kernel_read's documented order).
     assert report.rows_rejected == 256 and norm.n_rows == 0
@@ -313,7 +317,8 @@ def test_too_few_rows_read_nan_as_insufficient_rows() -> None:
     for norm in report.norms.values():
         assert norm.n_rows == 16
         assert norm.kernel.reason == norm.schur.reason == "insufficient_rows"
-        assert math.isnan(norm.kernel.gamma_alignment) and math.isnan(norm.schur.delta_gamma)
+        assert math.isnan(norm.kernel.gamma_alignment) and math.isnan(norm.delta_gamma)
+        assert norm.depth.reason == "insufficient_rows"
         assert norm.kernel.norm_class == "indeterminate" and not norm.kernel.kind_mismatch
     assert all(p.reason == "insufficient_rows" for p in report.profile.points)
     assert math.isnan(report.sigma_min_ratio_min)

@@ -1,6 +1,6 @@
 """A fit killed inside a window and resumed with ``Trainer.fit(ckpt_path=...)``: no crash, the
-resumed log's steps only go forward (no step logged twice), the baselines and the previous
-read's signs come back from the checkpoint, so ``deepening`` and ``sign_churn`` continue the
+resumed log's steps only go forward (no step logged twice), the previous read's signs come
+back from the checkpoint, so ``sign_churn`` continues the
 first run's curves. The kill is an exception raised by a callback at a chosen micro-batch; the
 checkpoints are Lightning's own (``ModelCheckpoint(every_n_train_steps)``, and
 ``OnExceptionCheckpoint``, which saves inside the gradient-accumulation window)."""
@@ -95,22 +95,15 @@ def test_dead_direction_monitor_resumes_a_run_killed_mid_window(tmp_path, ckpt):
     assert logged_steps(rows, "train/loss") == list(range(start, STEPS))
     state = saved["callbacks"][second.state_key]
     assert second.reads == state["reads"] + len(steps)
-    # baselines kept: deepening = s_first_run_baseline / s_now (issue 18) at every resumed read
-    assert second.tracker.baselines == first.tracker.baselines == state["family"]["baselines"]
-    assert (
-        second.tracker.baseline_rows
-        == first.tracker.baseline_rows
-        == state["family"]["baseline_rows"]
-    )
+    # no baseline to carry: Delta_gamma stands on each window with its own control, so the
+    # first read after the restart already has it
+    assert state["family"] == {}
     for r in rows_with(rows, "dd/sigma_min_ratio_min"):
-        for layer, r_base in state["family"]["baselines"].items():
-            r_now = float(r[f"dd/{layer}/schur_complement"])
-            deepening = float(r[f"dd/{layer}/deepening"])
-            n_now, n_base = float(r[f"dd/{layer}/n_rows"]), state["family"]["baseline_rows"][layer]
-            if abs(16 / n_now - 16 / n_base) <= 0.02:  # rows comparable (d = 16)
-                assert deepening == pytest.approx(r_base / r_now, rel=1e-12)
-            else:  # the partial window after the restart: another row count, no Delta_gamma
-                assert math.isnan(deepening)
+        deltas = [k for k in r if k.endswith("/delta_gamma") and r[k] != ""]
+        assert deltas
+        for key in deltas:
+            assert math.isfinite(float(r[key])), key
+            assert math.isfinite(float(r[key.replace("/delta_gamma", "/delta_gamma_control")]))
     # the killed window's rows were not saved (8 d^2 bytes a tap); the resumed step 3's
     # micro-batches (Lightning resumes at micro-batch KILL_AT) are discovery's, and the whole
     # of step 4 is read in its place

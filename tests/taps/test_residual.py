@@ -236,6 +236,11 @@ def test_layout_per_architecture(arch: str) -> None:
     assert layout.final_norm == final_norm
     assert set(layout.branch_norms) == branch
     assert len(layout.blocks) == 2
+    for p in layout.points[1:]:  # a named sublayer is a real module inside a block
+        if p.sublayer_module is not None:
+            model.get_submodule(p.sublayer_module)
+            assert any(p.sublayer_module.startswith(f"{b}.") for b in layout.blocks), p
+    assert layout.points[0].sublayer_module is None
     assert_clean(model)
     assert all(m.training for m in model.modules())
     model.eval()
@@ -245,6 +250,17 @@ def test_layout_per_architecture(arch: str) -> None:
     assert torch.equal(points[-1].reshape(last_out.shape), last_out)
     for a, b in zip(points, points[1:]):
         assert not torch.equal(a.reshape(b.shape), b)  # each point is a new tensor
+
+
+def test_each_point_names_the_sublayer_module_before_it() -> None:
+    """What an alert names (issue 33): the module that produced the step, not the norm that
+    reads the point after it."""
+    model, forward = build_hf_model("gpt2")
+    layout = find_residual_points(model, forward)
+    assert [p.sublayer_module for p in layout.points] == [
+        None, "transformer.h.0.attn", "transformer.h.0.mlp", "transformer.h.1.attn",
+        "transformer.h.1.mlp",
+    ]  # fmt: skip
 
 
 def test_parallel_points_are_read_by_both_norms() -> None:

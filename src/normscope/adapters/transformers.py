@@ -21,7 +21,7 @@ it:
   ``report_to`` integration (W&B, TensorBoard, ...), with ``<family>/alerts_fired`` and
   ``<family>/alert/<rule>`` beside the reads; HF's integrations prefix ``train/`` to the keys;
 * ``stop_on_alert=True`` sets ``control.should_training_stop`` (decided across ranks);
-* checkpoints: at every save the engine's state (counters, baselines, rule states) is written
+* checkpoints: at every save the engine's state (counters, rule states, previous signs) is written
   beside the checkpoint (``normscope-<monitor>.pt`` in ``checkpoint-<step>/``), and a run
   resumed from that checkpoint (``trainer.train(resume_from_checkpoint=...)``) reads it back at
   ``on_train_begin``: the resumed run reads what the uninterrupted one reads.

@@ -359,6 +359,7 @@ class SigmaMinRatioRule:
         self.min_rows_per_dim = float(min_rows_per_dim)
         self.suffixes = tuple(f"/sigma_min_{w}" for w in watch)
         self.sublayers: dict[str, str | None] = {}  # by point; the monitor fills it
+        self.modules: dict[str, str] = {}  # by point: the sublayer module before it (alerts)
         self.reads = 0
         self.below: dict[str, int] = {}
         self.undecided: dict[str, str] = {}  # the last read's points under the line, undecided
@@ -510,6 +511,7 @@ class SigmaMinRatioRule:
             ):
                 continue
             sub = self.sublayers.get(point)
+            module = f" ({self.modules[point]})" if point in self.modules else ""
             ratio = values.get("sigma_min_ratio", math.nan)
             step_ratio = values.get("sigma_min_step", math.nan)
             hi = values.get(f"{metric}_hi", math.nan)
@@ -531,7 +533,8 @@ class SigmaMinRatioRule:
                     value,
                     self.threshold,
                     f"residual stream sigma_min collapsed at {point}, after the "
-                    f"{sub or 'block'} sublayer, at step {step}: step ratio {step_ratio:.3g}, "
+                    f"{sub or 'block'} sublayer{module}, at step {step}: "
+                    f"step ratio {step_ratio:.3g}, "
                     f"cumulative ratio {ratio:.3g}{rows} (threshold {self.threshold:.3g}, "
                     f"{self.patience} read(s))",
                     point=point,

@@ -11,7 +11,7 @@ Safety rules (a model directory is data, not code):
   ``transformers`` explicitly, False by default;
 * nothing is downloaded (``local_files_only=True``).
 
-The random-init twin (the baseline of ``deepening``) of a Hugging Face model is the same config
+The random-init twin (scanned beside the checkpoint) of a Hugging Face model is the same config
 built with ``from_config`` under ``torch.manual_seed(seed)``. Python factories:
 :mod:`normscope.cli.factory`.
 """

@@ -78,8 +78,8 @@ def scan_arguments(p: argparse.ArgumentParser) -> None:
         "--baseline",
         choices=("random-init", "none"),
         default="random-init",
-        help="what deepening is measured against: the same architecture at random init "
-        "(seeded), or nothing",
+        help="scan beside the checkpoint the same architecture at random init (seeded), whose "
+        "reads are shown as what an untrained model reads, or nothing",
     )
     p.add_argument("--json", action="store_true", help="print report.json to stdout, no table")
     p.add_argument(

@@ -70,9 +70,11 @@ def profile_verdict(profile: Sequence[Mapping[str, Any]], post_norm: bool = Fals
     parts = []
     if np.isfinite(ratio).any():
         i = int(np.nanargmin(ratio))
-        parts.append(
-            f"lowest ratio {ratio[i]:.3g} at {short_names([p['name'] for p in profile])[i + 1]}"
-        )
+        names = short_names([p["name"] for p in profile])
+        parts.append(f"lowest ratio {ratio[i]:.3g} at {names[i + 1]}")
+        if profile[0].get("sigma_min_ratio") is None:  # anchored past p_0 (rows do not span)
+            k = next(k for k, p in enumerate(profile) if p.get("sigma_min_ratio") is not None)
+            parts.append(f"ratios read against {names[k]} (the points before it do not span)")
     elif profile:
         step = finite(p.get("sigma_min_step") for p in profile)
         entry = profile[0].get("sigma_min")

@@ -140,17 +140,34 @@ _f = fmt
 # ------------------------------------------------------------------------------ scan
 def _norm_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["norm layer", "kind", "gamma_spread", "dead_channels", "gamma_alignment",
-            "kernel_residual", "norm_class", "Delta_gamma", "deepening"]  # fmt: skip
+            "kernel_residual", "norm_class", "Delta_gamma", "control"]  # fmt: skip
     rows = [
         [
             n["name"], n["kind"], _f(n["gamma_spread"], ".3f"),
             str(n["dead_channels"]) + (f" {n['dead_index']}" if n["dead_channels"] else ""),
             _f(n["gamma_alignment"], ".6f"), _f(n["kernel_residual"], ".2e"), n["norm_class"],
-            _f(n["delta_gamma"], ".4f"), _f(n["deepening"], ".3g"),
+            delta_cell(n), _f(n["delta_gamma_control"], ".4f"),
         ]
         for n in result["norms"]
     ]  # fmt: skip
     return head, rows
+
+
+def delta_cell(norm: Mapping[str, Any]) -> str:
+    """A norm's ``Delta_gamma`` for a table: the number, or why there is none
+    (``post_norm``, ``no_gamma_kernel``...), never a bare ``nan``.
+
+    Example::
+
+        >>> delta_cell({"delta_gamma": None, "delta_reason": "post_norm"})
+        'post_norm'
+        >>> delta_cell({"delta_gamma": 0.25, "delta_reason": None})
+        '0.2500'
+    """
+    value = norm.get("delta_gamma")
+    if value is None:
+        return str(norm.get("delta_reason") or "nan")
+    return _f(value, ".4f")
 
 
 def profile_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:

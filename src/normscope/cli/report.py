@@ -153,6 +153,43 @@ def summary_table(
     return [*_READ_COLUMNS] + (["alert"] if marked else []), rows
 
 
+def premise_notes(reads: Mapping[float, Mapping[str, float]], points: Sequence[str]) -> list[str]:
+    """The report's words on reads whose premise is absent or partial: a post-norm run
+    (``Delta_gamma`` NaN, reason ``post_norm``), norm inputs that do not span
+    (``dd/rank_deficient_inputs``) and a profile anchored past ``p_0``
+    (``dd/profile_anchor_depth``).
+
+    Example::
+
+        >>> premise_notes({10.0: {"dd/profile_anchor_depth": 1.0}}, [])
+        ['the first 1 residual point(s) did not span (dd/profile_anchor_depth): the sigma_min ratios are read against the first point that does']
+    """
+    notes = []
+    if is_post_norm(points):
+        notes.append(
+            "post-norm run: the norms' inputs are not the residual stream, so Delta_gamma and "
+            "the Schur reads are NaN (reason post_norm) and no sigma_min alert applies"
+        )
+
+    def most(key: str) -> float:
+        values = [float(r.get(f"dd/{key}", math.nan)) for r in reads.values()]
+        return max((v for v in values if math.isfinite(v)), default=0.0)
+
+    if most("rank_deficient_inputs") > 0:
+        notes.append(
+            f"up to {most('rank_deficient_inputs'):g} norm layer(s) saw inputs that do not span "
+            "their width (dd/rank_deficient_inputs): their reads are taken on the live subspace "
+            "and gamma_alignment_min is their subspace alignment"
+        )
+    if most("profile_anchor_depth") > 0:
+        notes.append(
+            f"the first {most('profile_anchor_depth'):g} residual point(s) did not span "
+            "(dd/profile_anchor_depth): the sigma_min ratios are read against the first point "
+            "that does"
+        )
+    return notes
+
+
 def _chosen_steps(steps: Sequence[float], alert_steps: Sequence[float], n: int = 5) -> list[float]:
     """First, last, evenly spaced reads and the first read at or after each alert."""
     if not steps:
@@ -205,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     notes.append(said)
     if points and run_plots.logged_depths(points, reads) is None:
         notes.append("depth order of the residual points inferred from their module paths")
+    notes.extend(premise_notes(reads, points))
     alert_steps = sorted(
         {a["step"] for a in alerts if isinstance(a["step"], float) and math.isfinite(a["step"])}
     )
@@ -285,7 +323,12 @@ def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str, note
         return captions
     kinds = declared_kinds(norms, reads)
     rms_only = bool(kinds) and set(kinds.values()) == {"rmsnorm"}
-    no_kernel = "RMSNorms have no kernel, so no Schur complement is read" if rms_only else ""
+    no_kernel = "RMSNorms have no kernel, so no Delta_gamma is read" if rms_only else ""
+    if post_norm and not no_kernel:
+        no_kernel = (
+            "a post-norm model: the norms' inputs are not the residual stream, so Delta_gamma "
+            "has no premise (NaN, reason post_norm)"
+        )
     panels = {
         "alignment.png": ("gamma_alignment and kernel_residual over steps", [
             ("gamma_alignment", "gamma_alignment", False),
@@ -294,8 +337,9 @@ def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str, note
         "gamma.png": ("gamma spread, min and max over steps", [
             ("gamma_spread", "gamma_spread", False), ("gamma_min", "gamma_min", False),
             ("gamma_max", "gamma_max", False)], ""),
-        "schur.png": ("Delta_gamma and deepening over steps", [
-            ("delta_gamma", "Delta_gamma", False), ("deepening", "deepening", True)], ""),
+        "schur.png": ("Delta_gamma and its random-direction control over steps", [
+            ("delta_gamma", "Delta_gamma", False),
+            ("delta_gamma_control", "control (random direction)", False)], ""),
     }  # fmt: skip
     lines = {
         "gamma_alignment": [(0.9999, "LayerNorm: 0.9999", "layernorm")],
@@ -303,9 +347,9 @@ def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str, note
     }
     empty = {
         "delta_gamma": "no finite Delta_gamma in any read: "
-        + (no_kernel or "read for LayerNorms with a kernel, against the first read's baseline"),
-        "deepening": "no finite deepening in any read: "
-        + (no_kernel or "read for LayerNorms with a kernel, against the first read's baseline"),
+        + (no_kernel or "read for pre-norm LayerNorms with a kernel"),
+        "delta_gamma_control": "no finite control in any read: "
+        + (no_kernel or "read beside Delta_gamma"),
     }
     for file, (caption, spec, verdict) in panels.items():
         written = norm_plots.plot_norm_metrics(

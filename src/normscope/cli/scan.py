@@ -4,8 +4,9 @@ plots.
 
 The engine is :func:`normscope.scan_model`. With ``--baseline random-init`` (the default) the
 twin -- the same architecture at random init, seeded -- is scanned first on the same batches,
-and its Schur quotients are the baseline of ``deepening = R_twin / R_checkpoint``
-(docs/metrics.md §1.3); its ``sigma_min`` profile is drawn beside the checkpoint's.
+and what it reads is shown beside the checkpoint's: its ``Delta_gamma`` (about 0: nothing dug
+in yet) and its ``sigma_min`` profile (docs/metrics.md §1.3-1.4). No read needs it: each
+``Delta_gamma`` carries its own random-direction control.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from normscope.cli.errors import CLIError
 from normscope.cli.loading import load_model
 from normscope.cli.options import DEFAULT_TOKENS
 from normscope.cli.scan_result import scan_result, write_scan_outputs
-from normscope.families.dead_direction import DeadDirectionReport
+from normscope.families.dead_direction import DeadDirectionReport, rank_deficiency_note
 from normscope.families.scan import scan_model
 from normscope.taps.norms import NormDiscoveryError, find_norm_layers
 
@@ -91,12 +92,12 @@ def run(args: argparse.Namespace) -> int:
         "checkpoint",
         notes,
         args.max_memory,
-        baseline=twin_report,
         sources=sources,
     )
     entry = entry_rank_note(report, data, loaded.tokenizer_name, width)
     if entry:
         notes.append(entry)
+    notes.extend(premise_notes(report))
     result = scan_result(loaded, report, twin_report, data, args, notes)
     if sources is not None:
         result["data"]["sources"] = [
@@ -122,16 +123,21 @@ def entry_rank_note(
     """What to say when ``sigma_min(p_0)`` is 0: the stream entry has rank below its width, so
     no cumulative ratio is defined; how many distinct token ids the text gave, and what to
     pass instead (the model's tokenizer, or more varied ``--data``)."""
-    points = report.profile.points if report.profile is not None else ()
+    profile = report.profile
+    points = profile.points if profile is not None else ()
     if not points or points[0].sigma_min != 0:
         return None
     ids = [b["input_ids"] if isinstance(b, dict) else b for b in data.batches]
     distinct = int(torch.unique(torch.cat([i.reshape(-1) for i in ids])).numel())
+    anchored = (
+        f"the cumulative sigma_min ratios are read against {profile.anchor}, the first point "
+        "whose rows span"
+        if profile is not None and profile.anchor is not None and profile.anchor_depth > 0
+        else "every cumulative sigma_min ratio is undefined (the step ratios are still read)"
+    )
     text = (
         f"sigma_min(p_0) = 0 at {points[0].name}: the stream entry has rank below its width "
-        f"d = {width}, so "
-        f"every cumulative sigma_min ratio is undefined (the step ratios are still read). "
-        f"The text gave {distinct} distinct token ids"
+        f"d = {width}, so {anchored}. The text gave {distinct} distinct token ids"
     )
     if tokenizer.startswith("UTF-8 bytes"):
         return text + (
@@ -139,6 +145,24 @@ def entry_rank_note(
             "(its files in the model directory, or a factory returning (model, tokenizer))"
         )
     return text + f" through {tokenizer}: pass more varied text with --data"
+
+
+def premise_notes(report: DeadDirectionReport) -> list[str]:
+    """What the scan says in words about reads whose premise is absent or partial: a post-norm
+    model (``Delta_gamma`` and the Schur reads NaN, reason ``post_norm``; no sigma_min alert)
+    and inputs that do not span (:func:`~normscope.families.dead_direction.rank_deficiency_note`)."""
+    notes = []
+    if report.layout is not None and report.layout.style == "post-norm":
+        notes.append(
+            "post-norm model: each norm's input is a block's sum, not the residual stream, so "
+            "Delta_gamma and the Schur reads have no premise and read NaN (reason post_norm); "
+            "the kernel reads (gamma_alignment, kernel_residual, norm_class) hold for any "
+            "LayerNorm and are read as usual"
+        )
+    rank = rank_deficiency_note(report)
+    if rank is not None:
+        notes.append(rank)
+    return notes
 
 
 # ------------------------------------------------------------------------------ the data
@@ -222,7 +246,6 @@ def _scan(
     what: str,
     notes: list[str],
     max_memory: int | None = None,
-    baseline: DeadDirectionReport | None = None,
     sources: Any = None,
 ) -> DeadDirectionReport:
     try:
@@ -231,9 +254,7 @@ def _scan(
             _progress(model, len(batches) + 1, f"normscope: scanning the {what}"),
         ):
             warnings.simplefilter("always")
-            report = scan_model(
-                model, batches, baseline=baseline, max_memory=max_memory, sources=sources
-            )
+            report = scan_model(model, batches, max_memory=max_memory, sources=sources)
     except NormDiscoveryError as err:
         raise CLIError(f"nothing to scan in the {what}: {err}") from err
     except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as err:
@@ -278,12 +299,12 @@ def format_scan_table(result: dict[str, Any]) -> str:
         [
             n["name"], n["kind"], fmt(n["gamma_spread"], ".3f"), str(n["dead_channels"]),
             fmt(n["gamma_alignment"], ".6f"), fmt(n["kernel_residual"], ".1e"), n["norm_class"],
-            fmt(n["delta_gamma"], ".4f"), fmt(n["deepening"], ".3g"),
+            render.delta_cell(n), fmt(n["delta_gamma_control"], ".4f"),
         ]
         for n in result["norms"]
     ]  # fmt: skip
     head = ["norm layer", "kind", "spread", "dead", "gamma_align", "kernel_res", "norm_class",
-            "Delta_g", "deepen"]  # fmt: skip
+            "Delta_g", "control"]  # fmt: skip
     lines += render.text_table(head, rows, right=(2, 3, 4, 5, 7, 8))
     if result["profile"]:
         lines.append("")

@@ -90,13 +90,17 @@ def scan_result(
                 "kind_mismatch": bool(n.kernel.kind_mismatch),
                 "schur_quotient": _num(n.schur.schur_quotient),
                 "schur_complement": _num(n.schur.schur_complement),
-                # against the random-init twin; with --baseline none there is nothing to compare
-                "delta_gamma": _num(n.schur.delta_gamma) if twin is not None else None,
-                "deepening": _num(n.deepening) if twin is not None else None,
-                "delta_reason": n.schur.delta_reason if twin is not None else "no_baseline",
+                # v*'s depth beyond the typical direction and the random-direction control
+                "delta_gamma": _num(n.delta_gamma),
+                "delta_gamma_control": _num(n.depth.control_delta_gamma),
+                "depth": _num(n.depth.depth),
+                "depth_sd": _num(n.depth.depth_sd),
+                "live_dim": n.depth.live_dim,
+                "kernel_alignment": _num(n.kernel.kernel_alignment),
+                "delta_reason": n.depth.reason,
                 "n_rows": n.n_rows,
                 "bottom_eigenvalues": [_num(v) for v in n.kernel.bottom_eigenvalues],
-                "reason": n.kernel.reason or n.schur.reason or n.gamma.reason,
+                "reason": n.kernel.reason or n.depth.reason or n.gamma.reason,
                 "baseline": None
                 if t is None
                 else {
@@ -104,6 +108,7 @@ def scan_result(
                     "kernel_residual": _num(t.kernel.kernel_residual),
                     "schur_quotient": _num(t.schur.schur_quotient),
                     "schur_complement": _num(t.schur.schur_complement),
+                    "delta_gamma": _num(t.delta_gamma),
                 },
             }
         )

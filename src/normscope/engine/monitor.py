@@ -912,8 +912,8 @@ class Monitor:
         return keys
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, rule states, the alerts fired and the family's state (baselines, previous
-        signs): plain types and tensors, loadable with ``weights_only=True``. Never the open
+        """Counters, rule states, the alerts fired and the family's state (the sign
+        family's previous signs): plain types and tensors, loadable with ``weights_only=True``. Never the open
         window's accumulators (``8 d^2`` bytes per tap): a resumed run starts its window again.
         A read in flight is published first (DDP: waited for, published at its usual step)."""
         try:
@@ -929,7 +929,7 @@ class Monitor:
             self._warn_once(
                 "state:state_dict",
                 f"normscope: {self.label}.state_dict failed; the checkpoint is saved without "
-                f"the monitor's state (a run resumed from it starts its baselines afresh) "
+                f"the monitor's state (a run resumed from it starts its counters and rules afresh) "
                 f"({type(err).__name__}: {err})",
             )
             return {}
@@ -949,7 +949,7 @@ class Monitor:
             self._warn_once(
                 "state:load_state_dict",
                 f"normscope: {self.label}.load_state_dict failed; the monitor starts with a "
-                f"fresh state (baselines from the next read) ({type(err).__name__}: {err})",
+                f"fresh state (counters and rules from zero) ({type(err).__name__}: {err})",
             )
 
 
@@ -968,7 +968,7 @@ class Monitor:
 # Rankings (worst first; NaN never ranks):
 #
 # * ``dd``: smallest ``sigma_min_step`` (the sublayer that shrank the stream most), largest
-#   ``kernel_residual`` (a LayerNorm's kernel lost), largest ``deepening``;
+#   ``kernel_residual`` (a LayerNorm's kernel lost), largest ``delta_gamma``;
 # * ``sm``: largest ``max_leverage``, largest ``sign_churn``, largest ``asymmetry_ratio``.
 # ============================================================================
 
@@ -977,7 +977,7 @@ LogPerLayer = str | int
 
 # family -> [(metric, worst is larger)]
 RANKINGS: dict[str, tuple[tuple[str, bool], ...]] = {
-    "dd": (("sigma_min_step", False), ("kernel_residual", True), ("deepening", True)),
+    "dd": (("sigma_min_step", False), ("kernel_residual", True), ("delta_gamma", True)),
     "sm": (("max_leverage", True), ("sign_churn", True), ("asymmetry_ratio", True)),
 }
 

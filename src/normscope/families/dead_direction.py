@@ -48,6 +48,7 @@ from normscope.functional.dead_direction import (
     kernel_read,
     schur_quotient,
 )
+from normscope.functional.depth import DepthRead, direction_depth
 from normscope.functional.profile import SigmaMinProfile, profile_from_sigmas, sigma_min_profile
 from normscope.taps.hooks import (
     Gate,
@@ -80,6 +81,7 @@ __all__ = [
     "profile_from_parts",
     "read_norm",
     "read_share",
+    "rank_deficiency_note",
     "read_sources_of",
     "reduce_taps",
     "solve_window",
@@ -175,9 +177,6 @@ class DeadDirectionTracker:
         self.skipped_points: list[str] = []
         self.failed_reads: dict[str, str] = {}
         self.layout: ResidualLayout | None = None
-        # Delta_gamma's baseline per norm: its Schur complement s and the rows it was read on
-        self.baselines: dict[str, float] = {}
-        self.baseline_rows: dict[str, int] = {}
         self.norm_taps: dict[str, tuple[Tap, Tap]] = {}
         self.point_taps: list[Tap] = []
         self._gammas: dict[str, torch.Tensor] = {}
@@ -186,6 +185,7 @@ class DeadDirectionTracker:
         self._discovery: ResidualDiscovery | None = None
         self.attached = False
         self.last_solves = 0  # jobs this process solved at the last read (a split read: a share)
+        self.rank_warned = False  # the one warning about inputs that do not span
 
     # ------------------------------------------------------------------ hooks
     def discover(self, forward: ForwardFn | None) -> ResidualLayout | None:
@@ -381,14 +381,19 @@ class DeadDirectionTracker:
             self.reset()
         return report
 
+    @property
+    def placement(self) -> str:
+        """``"post"`` when the residual layout found post-norm blocks (the norms' inputs are
+        not the residual stream, so the reads of ``v*`` in them have no premise), else
+        ``"pre"`` (also without a layout: the reads are taken as a pre-norm model's)."""
+        layout = self.layout
+        return "post" if layout is not None and layout.style == "post-norm" else "pre"
+
     def read_norm(
         self, norm: NormLayer, tap_in: Tap, tap_out: Tap, gamma: torch.Tensor
     ) -> NormReport:
-        """One norm layer's reads from its taps with the window's ``gamma`` (Delta_gamma
-        against this tracker's baseline, which the first read sets)."""
-        return read_norm(
-            norm, tap_in, tap_out, gamma, self.null_tol, self.baselines, self.baseline_rows
-        )
+        """One norm layer's reads from its taps with the window's ``gamma``."""
+        return read_norm(norm, tap_in, tap_out, gamma, self.null_tol, self.placement)
 
     def window_gammas(self) -> dict[str, torch.Tensor]:
         """The gammas of the window's forwards (:meth:`snapshot_gammas`), else the live ones."""
@@ -407,10 +412,8 @@ class DeadDirectionTracker:
 
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
-        """Baselines and the open window's accumulators."""
+        """The open window's accumulators."""
         return {
-            "baselines": dict(self.baselines),
-            "baseline_rows": dict(self.baseline_rows),
             "taps": {
                 f"{k[0]}|{k[1]}": t.accumulator.state_dict() for k, t in self.taps.taps.items()
             },
@@ -419,8 +422,6 @@ class DeadDirectionTracker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.baselines = dict(state.get("baselines", {}))
-        self.baseline_rows = {k: int(v) for k, v in state.get("baseline_rows", {}).items()}
         for key, acc_state in state.get("taps", {}).items():
             name, where = key.rsplit("|", 1)
             tap = self.taps.taps.get((name, where))
@@ -469,25 +470,35 @@ def key_path(path: str) -> str:
 
 @dataclass(frozen=True)
 class NormReport:
-    """Every read of one norm layer (docs/metrics.md §1.1–1.3)."""
+    """Every read of one norm layer (docs/metrics.md §1.1–1.3): ``gamma``, the kernel reads of
+    its output, and of its input the Schur quotient (``schur``: ``R`` and ``s``, no baseline)
+    and ``v*``'s depth beyond the typical direction with its random-direction control
+    (``depth``: ``delta_gamma``, ``delta_gamma_control``...)."""
 
     name: str
     kind: str
     gamma: GammaRead
     kernel: KernelRead
     schur: SchurRead
-    deepening: float
+    depth: DepthRead
     n_rows: int
+
+    @property
+    def delta_gamma(self) -> float:
+        """``1 - 10^-depth``: 0 for a typical direction, -> 1 as ``v*`` sits deeper."""
+        return self.depth.delta_gamma
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {}
         out.update(self.gamma.as_dict())
         out.update(self.kernel.as_dict())
-        out.update(self.schur.as_dict())
+        out["kernel_alignment"] = self.kernel.kernel_alignment
+        out["schur_quotient"] = self.schur.schur_quotient
+        out["schur_complement"] = self.schur.schur_complement
+        out.update(self.depth.as_dict())
         # norm_class as a number (loggers take numbers): +1 layernorm-like, -1 rmsnorm-like,
         # 0 indeterminate, NaN when not read.
         out["norm_class"] = NORM_CLASS_CODE.get(self.kernel.norm_class, math.nan)
-        out["deepening"] = self.deepening
         out["n_rows"] = float(self.n_rows)
         return out
 
@@ -536,12 +547,20 @@ class DeadDirectionReport:
             len({key.rsplit(":", 1)[0] for key in self.failed_taps})
         )
         if self.norms:
+            # the headline: each LayerNorm's kernel_alignment (its subspace alignment when the
+            # input does not span and the null space is degenerate, else gamma_alignment)
             aligned = [
-                n.kernel.gamma_alignment for n in self.norms.values() if n.kind == "layernorm"
+                n.kernel.kernel_alignment for n in self.norms.values() if n.kind == "layernorm"
             ]
             aligned = [a for a in aligned if not math.isnan(a)]
             if aligned:
                 out[f"{FAMILY}/gamma_alignment_min"] = min(aligned)
+            deltas = [n.delta_gamma for n in self.norms.values() if math.isfinite(n.delta_gamma)]
+            out[f"{FAMILY}/delta_gamma_max"] = max(deltas) if deltas else math.nan
+            out[f"{FAMILY}/rank_deficient_inputs"] = float(len(self.rank_deficient_norms))
+        if self.profile is not None:
+            # 0: the ratios read against p_0; k > 0: the first k points did not span
+            out[f"{FAMILY}/profile_anchor_depth"] = float(self.profile.anchor_depth)
         if self.sources:
             out.update(source_reads(self.sources, key_path))
             out.update(collapse_keys(out, self.source_rule))
@@ -554,6 +573,22 @@ class DeadDirectionReport:
         if not self.sources:
             return []
         return classify_collapses(self.as_dict(), self.source_rule)
+
+    @property
+    def rank_deficient_norms(self) -> list[str]:
+        """The norm layers whose input does not span (``depth.live_dim < d``: a ViT's small
+        patches, a vocabulary under ``d``) or whose output's null space is degenerate
+        (``null_dim > 1``): their reads are taken on the live subspace."""
+        return [
+            name
+            for name, n in self.norms.items()
+            if n.depth.rank_deficient
+            or (
+                isinstance(n.kernel.null_dim, int)
+                and n.kernel.null_dim > 1
+                and n.gamma.dead_channels == 0
+            )
+        ]
 
     @property
     def solver_fallbacks(self) -> int:
@@ -586,7 +621,7 @@ class DeadDirectionReport:
 #    tracker's order, then the residual points' ``sigma_min``, the margins, the sources). One
 #    process solves them all: share ``(0, 1)``; under DDP every rank holds the same reduced
 #    accumulators and solves every ``world``-th job (round robin). It runs anywhere (the worker
-#    thread too): no collective, no tracker state but the baselines it sets.
+#    thread too): no collective, no tracker state.
 # 3. :func:`finish_report` (main thread) takes every rank's records (gathered first under a share,
 #    :func:`gather_records`), applies the failures they met and assembles the
 #    :class:`~normscope.families.dead_direction.DeadDirectionReport`. The profile is
@@ -638,7 +673,6 @@ class ReadRecords:
 
     norms: dict[str, NormReport] = field(default_factory=dict)
     norm_failures: dict[str, str] = field(default_factory=dict)
-    baselines: dict[str, tuple[float, int]] = field(default_factory=dict)  # set by this read
     sigmas: dict[int, tuple[float, str | None, int]] = field(default_factory=dict)
     margins: dict[int, float] = field(default_factory=dict)
     profile_failure: str | None = None
@@ -733,8 +767,8 @@ def solve_window(
 ) -> ReadRecords:
     """Rank ``share[0]``'s round-robin share of the ``share[1]``-way split solves of ``window``
     (``(0, 1)``: all of them). Never raises: a layer's failure is recorded for
-    :func:`finish_report`, anything else in :attr:`ReadRecords.error`. Touches no tracker state
-    but ``baselines`` / ``baseline_rows`` (Delta_gamma's first read)."""
+    :func:`finish_report`, anything else in :attr:`ReadRecords.error`. Touches no tracker
+    state."""
     out = ReadRecords()
     rank, world = share
     try:
@@ -755,7 +789,8 @@ def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, ou
     try:
         if kind == "point":
             acc = window.point_taps[what].accumulator
-            out.sigmas[what] = point_sigma(acc.second_moment(), acc.count)
+            anchor = anchors(window.layout)
+            out.sigmas[what] = point_sigma(acc.second_moment(), acc.count, anchor=anchor)
         elif kind == "margin":
             acc, prev = window.cross[what - 1], window.point_taps[what - 1].accumulator
             # lambda_min(S_{k-1}) is p_{k-1}'s sigma_min squared: solved once when this rank has it
@@ -777,15 +812,12 @@ def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, ou
 
 
 def _solve_norm(tracker: DeadDirectionTracker, window: ReadWindow, norm: Any, out: ReadRecords):
-    had = norm.name in tracker.baselines
     tap_in, tap_out = window.norm_taps[norm.name]
     try:
         out.norms[norm.name] = tracker.read_norm(norm, tap_in, tap_out, window.gammas[norm.name])
     except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
         out.norm_failures[norm.name] = f"{type(err).__name__}: {err}"
         return
-    if not had and norm.name in tracker.baselines:
-        out.baselines[norm.name] = (tracker.baselines[norm.name], tracker.baseline_rows[norm.name])
     out.solves += 1
 
 
@@ -795,44 +827,47 @@ def read_norm(
     tap_out: Tap,
     gamma: torch.Tensor,
     null_tol: float,
-    baselines: dict[str, float],
-    baseline_rows: dict[str, int],
+    placement: str = "pre",
 ) -> NormReport:
-    """Every read of ``norm`` from its input and output taps, with the window's ``gamma``.
-    Delta_gamma's baseline is ``baselines[norm.name]`` (its Schur complement ``s``) on
-    ``baseline_rows[norm.name]`` rows; without one, this read becomes it (both dicts updated)."""
+    """Every read of ``norm`` from its input and output taps, with the window's ``gamma``: the
+    kernel reads of the output covariance, and of the input covariance the Schur quotient and
+    ``v*``'s depth with its control (one ``eigh``; docs/metrics.md §1.3). ``placement="post"``
+    (a post-norm block: the input is not the residual stream): the input reads are NaN with
+    the reason ``post_norm``."""
     g = gamma_read(gamma)
     n_out = tap_out.accumulator.count
     n_in = tap_in.accumulator.count
     kernel = kernel_read(
         tap_out.accumulator.covariance(), g, n_out, null_tol=null_tol, declared_kind=norm.kind
     )
-    base = None
-    if norm.name in baselines:
-        rows = baseline_rows.get(norm.name, n_in)
-        base = SchurRead(math.nan, baselines[norm.name], None, rows)
     cov_in = tap_in.accumulator.covariance()
-    schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=base)
-    if base is None and math.isfinite(schur.schur_complement):
-        # docs/metrics.md §1.3: the run's first read (scan: the random-init twin's) is the baseline
-        baselines[norm.name] = schur.schur_complement
-        baseline_rows[norm.name] = n_in
-        schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, baseline=schur)
-    return NormReport(norm.name, norm.kind, g, kernel, schur, schur.deepening, n_out)
+    schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, placement=placement)
+    depth = direction_depth(cov_in, g, n_in, declared_kind=norm.kind, placement=placement)
+    return NormReport(norm.name, norm.kind, g, kernel, schur, depth, n_out)
 
 
-def point_sigma(second_moment: torch.Tensor, n_rows: int) -> tuple[float, str | None, int]:
+def anchors(layout: ResidualLayout | None) -> bool:
+    """Whether a profile over ``layout`` anchors past leading points that do not span: yes,
+    except on post-norm blocks, whose points are LayerNorm outputs (with ``beta = 0`` they never
+    span: the kernel itself), so no point would anchor."""
+    return layout is None or layout.style != "post-norm"
+
+
+def point_sigma(
+    second_moment: torch.Tensor, n_rows: int, *, anchor: bool = True
+) -> tuple[float, str | None, int]:
     """One point's ``(sigma_min, reason, dense_fallbacks)``, as
     :func:`~normscope.functional.profile.sigma_min_profile` reads it (its own reason:
-    ``insufficient_rows``, ``non_finite_second_moment``, ``eigh_failed`` or None;
-    ``dense_fallbacks``: 1 when the fast solver could not verify it).
+    ``insufficient_rows``, ``non_finite_second_moment``, ``eigh_failed``, ``rank_deficient``
+    (``anchor``: the rows do not span) or None; ``dense_fallbacks``: 1 when the fast solver
+    could not verify it).
 
     Example::
 
         >>> point_sigma(4 * torch.eye(2), 8)
         (2.0, None, 0)
     """
-    profile = sigma_min_profile(["p"], [second_moment], [n_rows], [None])
+    profile = sigma_min_profile(["p"], [second_moment], [n_rows], [None], anchor=anchor)
     point = profile.points[0]
     reason = None if point.reason == "first_point_unavailable" else point.reason
     return point.sigma_min, reason, profile.dense_fallbacks
@@ -885,6 +920,7 @@ def read_sources_of(
             [a.second_moment() for a in accs],
             [a.count for a in accs],
             [p.sublayer for p in points],
+            anchor=anchors(layout),
         )
     return out
 
@@ -924,21 +960,18 @@ def finish_report(
     tracker: DeadDirectionTracker, window: ReadWindow, parts: list[ReadRecords]
 ) -> DeadDirectionReport:
     """The report of ``window`` from every rank's records (one record without a share): the
-    failures applied to ``tracker`` (each disabled layer warned about once), the baselines
-    other ranks set merged in, the profile put together (:func:`profile_from_parts`)."""
+    failures applied to ``tracker`` (each disabled layer warned about once), the profile put
+    together (:func:`profile_from_parts`), and the one warning about inputs that do not span
+    (:func:`rank_deficiency_note`)."""
     merged = ReadRecords()
     for part in parts:
         merged.norms.update(part.norms)
         merged.norm_failures.update(part.norm_failures)
-        merged.baselines.update(part.baselines)
         merged.sigmas.update(part.sigmas)
         merged.margins.update(part.margins)
         merged.sources.update(part.sources)
         merged.profile_failure = merged.profile_failure or part.profile_failure
         merged.sources_failure = merged.sources_failure or part.sources_failure
-    for name, (s, rows) in merged.baselines.items():
-        tracker.baselines.setdefault(name, s)
-        tracker.baseline_rows.setdefault(name, rows)
     norms: dict[str, NormReport] = {}
     for norm in window.norms:  # the tracker's order, whoever solved it
         if norm.name in merged.norm_failures:
@@ -976,7 +1009,46 @@ def finish_report(
         else:
             srcs = {n: merged.sources[n] for n in sorted(merged.sources)}
             report = dataclasses.replace(report, sources=srcs, source_rule=tracker.source_rule)
+    if not tracker.rank_warned:
+        why = rank_deficiency_note(report)
+        if why is not None:
+            tracker.rank_warned = True
+            warn_rank_zero(f"normscope: {why}")
     return report
+
+
+def rank_deficiency_note(report: DeadDirectionReport) -> str | None:
+    """What a read says about inputs that do not span (None when everything spans): which
+    norm layers are read on their live subspace and where the ``sigma_min`` ratios anchor.
+    The monitor warns with it once; ``normscope scan`` prints it.
+
+    Example::
+
+        >>> rank_deficiency_note(DeadDirectionReport(0, {}, None, None, 0)) is None
+        True
+    """
+    parts = []
+    names = report.rank_deficient_norms
+    if names:
+        shown = ", ".join(key_path(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        parts.append(
+            f"{len(names)} norm layer(s) see inputs that do not span their width ({shown}): "
+            "their reads are taken on the live subspace (dd/<layer>/live_dim < d) and "
+            "dd/gamma_alignment_min is their subspace alignment"
+        )
+    profile = report.profile
+    if profile is not None and profile.anchor_depth > 0 and profile.anchor is not None:
+        parts.append(
+            f"the first {profile.anchor_depth} residual point(s) do not span, so the sigma_min "
+            f"ratios are read against {key_path(profile.anchor)} "
+            f"(dd/profile_anchor_depth = {profile.anchor_depth})"
+        )
+    if not parts:
+        return None
+    return (
+        "; ".join(parts) + ". Typical of small ViT patches or a vocabulary smaller than the "
+        "width; the reads stay exact on what the data spans."
+    )
 
 
 # ============================================================================
@@ -1084,7 +1156,6 @@ class DeadDirectionFamily:
         self.max_sources = max_sources
         self.tracker: DeadDirectionTracker | None = None
         self._discovering = False
-        self._saved: dict[str, Any] = {}  # state loaded before the tracker existed
 
     # ------------------------------------------------------------ set-up
     def check_loop(self, precision: str) -> None:
@@ -1113,8 +1184,6 @@ class DeadDirectionFamily:
         except (TypeError, ValueError) as err:  # NormDiscoveryError is a ValueError
             raise ConfigurationError(f"{self.kind}: {err}") from err
         self.tracker.source_rule = self.sigma_rule
-        self.tracker.baselines.update(self._saved.get("baselines", {}))
-        self.tracker.baseline_rows.update(self._saved.get("baseline_rows", {}))
         if self.kernel_rule is not None:
             self.kernel_rule.kinds = {key_path(n.name): n.kind for n in self.tracker.norms}
 
@@ -1210,6 +1279,12 @@ class DeadDirectionFamily:
                     self.rules.remove(self.source_rule)
                 say("normscope: post-norm model: sigma_min alerts are off")
         self.sigma_rule.sublayers = subs
+        if layout is not None:  # the sublayer modules, so that an alert names what cancels
+            self.sigma_rule.modules = {
+                key_path(p.name): key_path(p.sublayer_module)
+                for p in layout.points
+                if p.sublayer_module
+            }
         if self.source_rule is not None:
             self.source_rule.sublayers = subs
 
@@ -1332,20 +1407,13 @@ class DeadDirectionFamily:
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Delta_gamma's baselines and the rows each was read on."""
-        tracker = self.tracker
-        if tracker is None:
-            return {k: dict(v) for k, v in self._saved.items()}
-        return {"baselines": dict(tracker.baselines), "baseline_rows": dict(tracker.baseline_rows)}
+        """Nothing: every read of this family stands on its own window (no baseline read)."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._saved = {
-            "baselines": {str(k): float(v) for k, v in state.get("baselines", {}).items()},
-            "baseline_rows": {str(k): int(v) for k, v in state.get("baseline_rows", {}).items()},
-        }
-        if self.tracker is not None:
-            self.tracker.baselines.update(self._saved["baselines"])
-            self.tracker.baseline_rows.update(self._saved["baseline_rows"])
+        """Accepts any saved state (older checkpoints held Delta_gamma baselines, no longer
+        used)."""
+        return None
 
     def describe(self) -> str:
         """One line on what is read (for a person)."""
@@ -1382,9 +1450,7 @@ def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -
         parts.append(
             f"gamma_alignment_min {format(min(n.kernel.gamma_alignment for n in ln), '.6f')}"
         )
-    deltas = [
-        n.schur.delta_gamma for n in report.norms.values() if math.isfinite(n.schur.delta_gamma)
-    ]
+    deltas = [n.delta_gamma for n in report.norms.values() if math.isfinite(n.delta_gamma)]
     if deltas:
         parts.append(f"Delta_gamma max {format(max(deltas), '.4g')}")
     if report.sources:
@@ -1410,14 +1476,14 @@ def format_table(report: DeadDirectionReport) -> str:
     """One row per norm layer, then the sigma_min profile."""
     lines = [
         f"{'norm layer':<36} {'kind':<9} {'class':<15} {'align':>9} {'kernel_res':>10} "
-        f"{'null':>4} {'dead':>4} {'Delta_g':>8} {'deepen':>7}",
+        f"{'null':>4} {'dead':>4} {'Delta_g':>8} {'control':>7}",
     ]
     for name, n in report.norms.items():
         lines.append(
             f"{name[-36:]:<36} {n.kind:<9} {n.kernel.norm_class:<15} "
             f"{_f(n.kernel.gamma_alignment, '.6f'):>9} {_f(n.kernel.kernel_residual, '.1e'):>10} "
-            f"{n.kernel.null_dim:>4} {n.gamma.dead_channels:>4} {_f(n.schur.delta_gamma, '.3f'):>8} "
-            f"{_f(n.deepening, '.3g'):>7}"
+            f"{n.kernel.null_dim:>4} {n.gamma.dead_channels:>4} {_f(n.delta_gamma, '.3f'):>8} "
+            f"{_f(n.depth.control_delta_gamma, '.3f'):>7}"
         )
     if report.profile is not None:
         lines.append("")

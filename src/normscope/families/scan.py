@@ -24,7 +24,6 @@ def scan_model(
     residual: bool = True,
     max_rows_per_batch: int | None = None,
     null_tol: float = 1e-10,
-    baseline: DeadDirectionReport | None = None,
     max_memory: int | None = None,
     sources: Any = None,
 ) -> DeadDirectionReport:
@@ -39,9 +38,6 @@ def scan_model(
         residual: also read the residual stream's ``sigma_min`` depth profile.
         max_rows_per_batch: rows kept per tapped tensor per batch (``None``: all).
         null_tol: ``tau`` of ``null_dim``.
-        baseline: an earlier report (e.g. of the same architecture at random init, as
-            ``normscope scan`` does) whose Schur complements are the baseline of ``delta_gamma``
-            and ``deepening``; without one the scan is its own baseline (``delta_gamma`` 0).
         max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor), as the
             monitor's: over it, points and layers are read at a stride over depth and a warning
             names what was left out (those are missing from the report).
@@ -84,14 +80,6 @@ def scan_model(
     drop = (sources,) if isinstance(sources, str) else ()  # a label field is no model input
     try:
         tracker.attach(forward=lambda: call_model(model, batches[0], drop))
-        if baseline is not None:
-            # Delta_gamma against the baseline's Schur complements, on its row counts
-            tracker.baselines = {
-                name: norm.schur.schur_complement for name, norm in baseline.norms.items()
-            }
-            tracker.baseline_rows = {
-                name: norm.schur.n_rows for name, norm in baseline.norms.items()
-            }
         for batch, label in zip(batches, labels):
             if label is not None and tracker.split is not None:
                 tracker.split.ensure(label.names)

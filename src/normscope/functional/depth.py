@@ -98,6 +98,7 @@ class DepthRead:
             "depth": self.depth,
             "depth_control": self.control_depth,
             "depth_sd": self.depth_sd,
+            "depth_z": self.depth_z,
             "live_dim": float(self.live_dim),
         }
 

@@ -301,8 +301,8 @@ def sigma_min_profile(
             (the ``sigma_min`` values are still given).
         anchor: flag points whose rows do not span (reason ``"rank_deficient"``) and read the
             cumulative ratios against the first point that does (:class:`SigmaMinProfile`).
-            Off by default: the monitors and ``normscope scan`` do not use it yet (issue 33's
-            wiring), so their profiles read against ``p_0`` as before.
+            Off by default here; the monitors and :func:`normscope.scan_model` always anchor
+            (``dd/profile_anchor_depth`` says where).
 
     Returns:
         A :class:`SigmaMinProfile`. When ``p_0``'s ``sigma_min`` is NaN (or 0) every ratio and

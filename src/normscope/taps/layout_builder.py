@@ -43,7 +43,11 @@ def _points(trace: StackTrace, blocks: list[str], style: str) -> list[ResidualPo
             module = blocks[p.producer[1]]
             name, where = f"{module}.output", "output"
         sublayer = p.sublayer if k else None
-        points.append(ResidualPoint(name, module, where, sublayer, k, tuple(p.readers)))
+        points.append(
+            ResidualPoint(
+                name, module, where, sublayer, k, tuple(p.readers), p.module if k else None
+            )
+        )
     return points
 
 

@@ -30,6 +30,9 @@ class ResidualPoint:
             ``"block"``; ``None`` for ``p_0``.
         depth: ``0 .. L``.
         readers: every norm whose input is this tensor (two for a GPT-NeoX parallel block).
+        sublayer_module: the module whose output the step into this point added (the sublayer
+            itself, ``h.2.mlp``: what an alert names); None for ``p_0`` and when discovery
+            could not match the step to one module.
     """
 
     name: str
@@ -38,6 +41,7 @@ class ResidualPoint:
     sublayer: str | None
     depth: int
     readers: tuple[str, ...] = ()
+    sublayer_module: str | None = None
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ class _Point:
     producer: tuple[str, int]  # ("input", 0), ("output", k) or ("norm", k)
     sublayer: str | None = None
     readers: list[str] = field(default_factory=list)
+    module: str | None = None  # the module whose output the step added (the sublayer itself)
     via_norm: bool = False  # the step added a norm's output (sandwich)
     branch_scale: float | torch.Tensor | None = None  # the c of "previous + c * branch"
 
@@ -153,7 +154,7 @@ class StackTrace:
         return None
 
     def _step(self, rows: torch.Tensor, scaled: bool) -> tuple:
-        """(sublayer, matched, via_norm, scale, branch_scale) of the step from the latest
+        """(sublayer, matched, via_norm, scale, branch_scale, module) of the step from the latest
         point to ``rows``: ``rows = base + s`` for a module output ``s`` of the block (exact),
         else ``base + c * s`` (``c`` a scalar or one per channel: residual multipliers,
         ``1/sqrt(2L)``, LayerScale; ``branch_scale``), else (``scaled``: block outputs only)
@@ -176,7 +177,7 @@ class StackTrace:
                     hits, scale = [(p, n)], c
                     break
         if not hits:
-            return "block", False, False, None, None
+            return "block", False, False, None, None, None
         path, is_norm = min(hits, key=lambda h: (_label(h[0]) is None, h[0].count("."), h[0]))
         branch_scale = fits.get(path)
         label = _label(path)
@@ -186,7 +187,8 @@ class StackTrace:
             seen = {_label(c) for c in self.completed if c not in readers}
             seen.discard(None)
             label = seen.pop() if len(seen) == 1 else "block"
-        return label, True, is_norm, scale, branch_scale
+        module = f"{self.blocks[self.current][0]}.{path}" if self.current is not None else path
+        return label, True, is_norm, scale, branch_scale, module
 
     def _forget_all_but_last(self) -> None:
         """Drop the tensors of points no later comparison needs: memory stays one block's worth."""
@@ -195,9 +197,16 @@ class StackTrace:
         self.visible = self.visible[-1:]
 
     def _add(self, t: torch.Tensor, rows: torch.Tensor, producer: tuple[str, int], step) -> _Point:
-        label, _, via_norm, _, branch_scale = step
+        label, _, via_norm, _, branch_scale, module = step
         p = _Point(
-            t, t._version, rows, producer, label, via_norm=via_norm, branch_scale=branch_scale
+            t,
+            t._version,
+            rows,
+            producer,
+            label,
+            via_norm=via_norm,
+            branch_scale=branch_scale,
+            module=module,
         )
         self.points.append(p)
         self.visible.append(p)
@@ -221,7 +230,7 @@ class StackTrace:
         self._forget_all_but_last()
         if i == 0:
             self.width = x.shape[-1]
-            self._add(x, rows, ("input", 0), (None, False, False, None, None))
+            self._add(x, rows, ("input", 0), (None, False, False, None, None, None))
         elif self._find(x, rows, by_value=True) is None:
             self.problem = f"block {i} does not read block {i - 1}'s output"
             return
