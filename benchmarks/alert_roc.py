@@ -27,7 +27,7 @@ new monitor waits for ``4 d``: the one configuration where that differs (width 2
 step) runs an extra pair of monitors reading at ``2 d`` for ``v1``.
 
 Only the residual profile is read (``max_memory`` holds the profile's accumulators and nothing
-more: no norm-layer reads, no margin), which changes nothing the rule sees.
+more: no norm-layer reads), which changes nothing the rule sees.
 """
 
 from __future__ import annotations

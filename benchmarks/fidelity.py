@@ -1,4 +1,4 @@
-"""Fidelity figures of issue 18: Delta_gamma over training, the no-cancellation margin on a
+"""Fidelity figures of issue 18: Delta_gamma over training, the ``sigma_min`` step on a
 healthy and a cancelling run, the LN/RMS classifier's separation by width, and how the Schur
 complement moves with the row count.
 
@@ -7,8 +7,9 @@ complement moves with the row count.
 1. The demo GPT (examples/nanogpt.py, data from examples/data.py, 4 x 128, LayerNorm, batch 32 x 64 = 2048 rows a read)
    trained with DeadDirectionMonitor, reads at steps 1, 10, 20, 30, 50: Delta_gamma and its
    random-direction control per layer (issue 33's definition) and 1 - R_q (version 1's).
-2. The same run with the cancelling MLP branch of block 2 switched on at step 25: the margin at
-   every point, at the read of step 50, against the healthy run's.
+2. The same run with the cancelling MLP branch of block 2 switched on at step 25: the
+   ``sigma_min`` step at every point, at the read of step 50, against the healthy run's (the
+   no-cancellation margin this table printed first was removed: negative at every point).
 3. torch's LayerNorm / RMSNorm at d = 32 .. 1024 with uneven gammas: the largest LayerNorm
    kernel_residual, the smallest RMSNorm one, and the largest RMSNorm alignment x sqrt(d).
 4. The Schur complement of the trained model's deep layers read on 2k, 8k and 32k rows.
@@ -65,8 +66,8 @@ def delta_gamma_table(seen: list) -> None:
         )
 
 
-def margins(m: dict[str, float]) -> dict[str, float]:
-    suffix = "/no_cancellation_margin"
+def steps(m: dict[str, float]) -> dict[str, float]:
+    suffix = "/sigma_min_step"
     return {k[len(PREFIX) : -len(suffix)]: v for k, v in m.items() if k.endswith(suffix)}
 
 
@@ -134,15 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     healthy, trained = fit(51, 10, None)
     delta_gamma_table(healthy)
     cancel, _ = fit(51, 25, cancel_at=25)
-    print("\n## 2. no_cancellation_margin at the step-50 read (block 2's MLP cancels from step 25)")
-    h = margins([m for s, m in healthy if s == 50][0])
-    c = margins([m for s, m in cancel if s == 50][0])
-    steps_c = [m for s, m in cancel if s == 50][0]
-    print("| point | healthy margin | cancelling margin | cancelling step |")
-    print("|---|---:|---:|---:|")
+    print("\n## 2. sigma_min step at the step-50 read (block 2's MLP cancels from step 25)")
+    h = steps([m for s, m in healthy if s == 50][0])
+    c = steps([m for s, m in cancel if s == 50][0])
+    print("| point | healthy step | cancelling step |")
+    print("|---|---:|---:|")
     for k in h:
-        step = steps_c.get(f"{PREFIX}{k}/sigma_min_step", math.nan)
-        print(f"| {k} | {h[k]:.3g} | {c[k]:.3g} | {step:.3f} |")
+        print(f"| {k} | {h[k]:.3f} | {c.get(k, math.nan):.3f} |")
     classifier()
     rows_sensitivity(trained)
 

@@ -10,8 +10,8 @@
    channel-mean direction ``1/sqrt(d)`` (``v*`` of gains all equal), plus ``v*`` read on the
    same covariance rotated at random.
 3. cancellation: at every sublayer (pair of consecutive residual points) the old
-   ``no_cancellation_margin``, the retention pencil
-   (:func:`normscope.functional.cancellation.sublayer_retention`) and the ``sigma_min`` step,
+   no-cancellation margin (:func:`old_margin`: the read removed from the package), the
+   retention pencil (:func:`normscope.functional.retention.sublayer_retention`) and the ``sigma_min`` step,
    on healthy sublayers against the cancelling one (block 2's MLP from step 100 in the
    ``--cancel-at`` runs), and on healthy snapshots with a cancellation planted analytically
    (``x_k -> x_k - s x_{k-1} P``, ``P`` a random rank-``r`` projector: the moments follow
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from normscope.functional import schur_quotient
-from normscope.functional.cancellation import no_cancellation_margin, sublayer_retention
 from normscope.functional.depth import direction_depth
 from normscope.functional.profile import RANK_TOL, sigma_min_profile
+from normscope.functional.retention import sublayer_retention
 
 KS = (1, 2, 4, 8)
 NAME = re.compile(r"(\w+?)_w(\d+)_s(\d+)(_cancel(\d+))?_step(\d+)\.npz")
@@ -50,6 +50,12 @@ def snapshots(root: str):
             norm=norm, width=int(w), seed=int(seed), step=int(step),
             cancel_at=int(cancel_at) if cancel_at else None,
         ), np.load(f)  # fmt: skip
+
+
+def old_margin(cross: np.ndarray, previous: np.ndarray) -> float:
+    """The removed ``no_cancellation_margin``: ``lambda_min(M_k) / lambda_min(S_{k-1})``, ``M_k``
+    the symmetric cross-moment (kept here to reproduce section 3's first columns)."""
+    return float(np.linalg.eigvalsh(cross)[0] / np.linalg.eigvalsh(previous)[0])
 
 
 def t(a: np.ndarray) -> torch.Tensor:
@@ -126,7 +132,7 @@ def retention_table(root: str) -> None:
         for k in range(1, len(z["names"])):
             sp, sk, xc = z[f"S{k - 1}"], z[f"S{k}"], z[f"X{k}"]
             g = xc - sp  # X_{k-1}^T F / N
-            margin, _ = no_cancellation_margin(t(g + g.T), t(sp), n)
+            margin = old_margin(g + g.T, sp)
             ret = sublayer_retention(t(sp), t(sk), n)
             b8 = np.array(sublayer_retention(t(sp), t(sk), n, k=8).bottom)
             ks[

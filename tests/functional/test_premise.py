@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from normscope.functional import POST_NORM, direction_depth, schur_quotient
-from normscope.functional.cancellation import no_cancellation_margin, sublayer_retention
 from normscope.functional.premise import check_placement
 from normscope.functional.profile import sigma_min_profile
+from normscope.functional.retention import sublayer_retention
 
 torch.set_num_threads(1)
 
@@ -29,12 +29,6 @@ def test_schur_quotient_post_norm_is_nan_with_reason():
 def test_direction_depth_post_norm_is_nan_with_reason():
     read = direction_depth(C, torch.ones(4), 8, placement="post")
     assert read.reason == "post_norm" and math.isnan(read.delta_gamma)
-
-
-def test_margin_post_norm_is_nan_with_reason():
-    assert no_cancellation_margin(C, C, 8)[1] is None
-    margin, reason = no_cancellation_margin(C, C, 8, placement="post")
-    assert math.isnan(margin) and reason == "post_norm"
 
 
 @pytest.mark.parametrize("bad", ["Post", None, 1])

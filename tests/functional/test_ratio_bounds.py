@@ -134,10 +134,10 @@ def test_the_source_classification_decides_as_the_rule():
     assert below_floor({**healthy, "n_rows": 32, "rows_per_dim": 2.0}, rule) is None
 
 
-def test_a_collapse_needs_the_premise_to_fail_where_it_was_measured():
-    """step^2 >= 1 + margin on the same rows: a step of 0.5 where the margin is +0.1 is a
-    numerical contradiction (no alert, said so); where the margin is -0.9 it is an alert that
-    says the premise fails there."""
+def test_a_confident_step_collapse_alerts_whatever_an_old_margin_key_says():
+    """The no-cancellation margin is gone (issue 33: negative at every healthy point): a step
+    of 0.5 whose interval top is 0.56 alerts, and a ``no_cancellation_margin`` key in an old
+    log changes nothing (no ``contradicts_margin`` verdict any more)."""
     read = {
         "dd/p1/sigma_min_step": 0.5,
         "dd/p1/sigma_min_step_hi": 0.56,
@@ -145,11 +145,11 @@ def test_a_collapse_needs_the_premise_to_fail_where_it_was_measured():
         "dd/p1/sigma_min_ratio_hi": 1.6,
         "dd/rows_per_dim": 50.0,
     }
-    rule = SigmaMinRatioRule()
-    assert rule.evaluate({**read, "dd/p1/no_cancellation_margin": 0.1}, step=1) == []
-    assert rule.undecided == {"p1": "contradicts_margin"}
-    alerts = SigmaMinRatioRule().evaluate({**read, "dd/p1/no_cancellation_margin": -0.9}, 1)
-    assert [a.point for a in alerts] == ["p1"] and "premise fails there" in alerts[0].message
+    for old in ({}, {"dd/p1/no_cancellation_margin": 0.1}):
+        rule = SigmaMinRatioRule()
+        alerts = rule.evaluate({**read, **old}, step=1)
+        assert [a.point for a in alerts] == ["p1"] and rule.undecided == {}
+        assert "premise" not in alerts[0].message
 
 
 def test_a_sudden_drop_alerts_on_the_higher_floor_a_slow_dip_does_not():

@@ -16,7 +16,7 @@ import pytest
 import scipy.linalg
 import torch
 
-from normscope.functional.cancellation import RetentionRead, sublayer_retention
+from normscope.functional.retention import RetentionRead, sublayer_retention
 
 torch.set_num_threads(1)
 

@@ -175,10 +175,10 @@ def test_max_memory_covers_the_per_source_accumulators():
     assert need == pooled + 2 * len(full.point_taps) * 8 * 16 * 16
     fits = run_tracker(m, batches, sources="source", max_sources=2, max_memory=need)
     assert fits.split is not None and fits.memory_bytes() <= need
-    # the per-source accumulators come after the profile and its margin, before the norm
-    # layers: one byte short of profile + margin + sources, the per-source reads are left out
+    # the per-source accumulators come after the profile, before the norm layers: one byte
+    # short of profile + sources, the per-source reads are left out
     points = full.layout.points
-    short = _tap_cost([], points, 16, True, 2) - 1
+    short = _tap_cost([], points, 16, 2) - 1
     with pytest.warns(RuntimeWarning, match="the per-source reads"):
         tight = run_tracker(m, batches, sources="source", max_sources=2, max_memory=short)
     assert tight.split is None and tight.memory_bytes() <= short

@@ -31,10 +31,8 @@ KIB = 1024
 
 def test_max_memory_is_enforced_and_the_warning_names_what_is_left_out(tmp_path):
     """A 4-block model needs 36 KiB of tap accumulators (9 norms x 2 taps + the 9 norm inputs
-    that are the residual points, shared) and 16 KiB of cross-moments for the margin (8 links,
-    kept after the profile and before the norms: tests/monitors/test_margin.py); with 12 KiB the
-    profile is read at a stride (5 of 9 points), the margin is not, the final norm is kept, and
-    the taps fit the budget."""
+    that are the residual points, shared); with 12 KiB the profile is read at a stride (5 of 9
+    points), the final norm is kept, and the taps fit the budget."""
     torch.manual_seed(0)
     budget = 12 * KIB
     monitor = DeadDirectionMonitor(every_n_steps=2, max_memory=budget, verbose=False)

@@ -154,9 +154,8 @@ def fit_exact(out: Path, async_reads: bool = False) -> dict[str, Any]:
 
 
 def _jobs(tracker: DeadDirectionTracker) -> int:
-    """The jobs of one whole read: norm layers, residual points, margins (no sources here)."""
-    points = len(tracker.point_taps)
-    return len(tracker.norms) + points + max(points - 1, 0)
+    """The jobs of one whole read: norm layers and residual points (no sources here)."""
+    return len(tracker.norms) + len(tracker.point_taps)
 
 
 def fit_exact_async(out: Path) -> dict[str, Any]:

@@ -11,8 +11,6 @@ import torch
 from normscope import DeadDirectionTracker
 from tests.scaleout.shards import EXACT_WINDOWS, shard_batches, source_batches
 
-P0_MARGIN = "dd/model.h.0.ln_1/no_cancellation_margin"  # p_0: NaN by definition
-
 
 def single_process_reads(
     module: torch.nn.Module, reads: list[dict[str, Any]], sources: str | None = None
@@ -46,15 +44,11 @@ def floats(metrics: dict[str, Any]) -> dict[str, float]:
 
 def assert_reads_equal(reads: list[dict[str, Any]], expected: list[dict[str, float]]) -> None:
     """Every read's keys are the single-process read's, and every number equals it to 1e-10
-    (only the order of the float64 sums differs). NaN only where one process reads NaN too, and
-    only for p_0's margin (no sublayer before it)."""
+    (only the order of the float64 sums differs), and every number is finite."""
     assert len(reads) == len(expected)
     for read, want in zip(reads, expected):
         got = floats(read["metrics"])
         assert set(got) == set(want)
         for key, value in want.items():
-            if math.isnan(value) and key == P0_MARGIN:
-                assert math.isnan(got[key]), key
-                continue
             assert math.isfinite(value), key
             assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-10), key

@@ -2,7 +2,7 @@
 the fits ``exact`` and ``exact_async`` of ``tests/scaleout/distributed_fits.py``).
 
 After the reduce every rank holds the same accumulators; each solves a round-robin share of the
-jobs (norm layers, residual points, margins) and the records are gathered: every rank ends with
+jobs (norm layers, residual points) and the records are gathered: every rank ends with
 the same full report, equal to one process's."""
 
 from __future__ import annotations

@@ -280,12 +280,6 @@ class SigmaMinRatioRule:
     ``N / d = min_rows_per_dim``) and never alerts. Logs without the interval keys (written by
     normscope before 0.3) are judged on the ratio itself.
 
-    **The premise.** Where the no-cancellation margin was measured on the same rows
-    (docs/metrics.md §1.4), ``step^2 >= 1 + margin`` holds exactly: a collapse needs the
-    premise to fail there. A step under that floor contradicts its own rows (a numerical
-    fault, ``"contradicts_margin"``) and is not an alert; an alert says how far the premise
-    fails (the margin).
-
     **A sudden drop.** Small models in early training dip well below 1 with nothing wrong
     (measured: a healthy 4 x 64 demo GPT reads step ratios down to 0.62 between steps 9 and
     40), slowly, over many reads; a cancelling branch drops a point's step ratio from about 1
@@ -448,7 +442,6 @@ class SigmaMinRatioRule:
         """The pooled ``dd/<point>/<metric>`` keys by point (profile points only)."""
         names = {s[1:] for s in self.suffixes}
         wanted = {"sigma_min_ratio", "sigma_min_step", "rows_per_dim", "n_rows"}
-        wanted.add("no_cancellation_margin")
         wanted |= {f"{n}_{e}" for n in ("sigma_min_ratio", "sigma_min_step") for e in ("lo", "hi")}
         points: dict[str, dict[str, float]] = {}
         for key, value in metrics.items():
@@ -490,13 +483,6 @@ class SigmaMinRatioRule:
                 below, metric, value = True, "sigma_min_step", step_value
             if below is None and value < self.threshold:
                 self.undecided[point] = str(metric)
-            margin = values.get("no_cancellation_margin", math.nan)
-            if below and metric == "sigma_min_step" and math.isfinite(margin):
-                # The premise, measured on the same rows: step^2 >= 1 + margin exactly. A step
-                # under that floor contradicts its own rows (a numerical fault): no collapse.
-                if value < math.sqrt(max(1.0 + margin, 0.0)) * (1 - 1e-9):
-                    below = None
-                    self.undecided[point] = "contradicts_margin"
             if below and metric == "sigma_min_ratio" and upstream_collapse:
                 if not self.step_below(values):
                     below = False  # only downstream of a collapse already counted
@@ -521,8 +507,6 @@ class SigmaMinRatioRule:
                 if math.isfinite(hi) and math.isfinite(per_dim)
                 else ""
             )
-            if math.isfinite(margin) and margin < 0:
-                rows += f"; the no-cancellation premise fails there (margin {margin:.3g})"
             if sudden:
                 rows += f"; a sudden drop from {previous[point]:.3g} at the previous read"
             alerts.append(

@@ -142,7 +142,7 @@ def plot_profile(
     if post_norm:
         ax.axhline(1.0, color="black", lw=0.9, label="1 (p_0's level)")
     else:
-        ax.axhline(1.0, color="black", lw=0.9, label="1 (no-cancellation floor)")
+        ax.axhline(1.0, color="black", lw=0.9, label="1 (the pre-norm floor)")
         ax.axhline(ALERT_RATIO, color="tab:red", lw=0.8, ls="--",
                    label=f"alert threshold {ALERT_RATIO}")  # fmt: skip
     sparse_ticks(ax, short_names([p["name"] for p in profile]))

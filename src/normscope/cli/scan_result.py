@@ -114,12 +114,11 @@ def scan_result(
         )
     profile = []
     twin_points = {p.name: p for p in twin.profile.points} if twin and twin.profile else {}
-    margins = report.profile.no_cancellation_margin if report.profile is not None else ()
-    for p, margin in zip(report.profile.points if report.profile is not None else (), margins):
+    for p in report.profile.points if report.profile is not None else ():
         tp = twin_points.get(p.name)
         profile.append(
             {
-                **_point_json(p, no_cancellation_margin=_num(margin)),
+                **_point_json(p),
                 "baseline_ratio": _num(tp.sigma_min_ratio) if tp else None,
                 "baseline_step": _num(tp.sigma_min_step) if tp else None,
             }

@@ -21,8 +21,6 @@ class BudgetFit:
 
     #: the residual stream's width (0 without residual points)
     width: int
-    #: whether the no-cancellation margin is kept
-    margin: bool
     #: True: the per-source reads were planned for and do not fit (they are off)
     sources_dropped: bool
     norms: list[NormLayer]
@@ -38,27 +36,20 @@ def fit_budget(
     layout: ResidualLayout | None,
     budget: int,
     *,
-    margin: bool,
     sources: int,
 ) -> BudgetFit:
-    """Fit a tracker's taps (its ``norms``, the points of ``layout``, the ``margin``
-    cross-moments, ``sources`` per-source accumulators per point) in ``budget`` bytes
-    (:func:`plan_budget`), with the warning naming what is left out."""
+    """Fit a tracker's taps (its ``norms``, the points of ``layout``, ``sources`` per-source
+    accumulators per point) in ``budget`` bytes (:func:`plan_budget`), with the warning naming
+    what is left out."""
     points = layout.points if layout is not None else ()
     width = stream_width(norms, layout) if points else 0
-    links = margin and len(points) > 1
     n_src = sources if points else 0
-    full = tap_cost(norms, points, width, links, n_src)
+    full = tap_cost(norms, points, width, n_src)
     total_norms = len(norms)
-    kept_norms, kept, links_kept, src_kept = plan_budget(norms, points, width, budget, links, n_src)
+    kept_norms, kept, src_kept = plan_budget(norms, points, width, budget, n_src)
     dropped = bool(n_src and not src_kept)
-    if (
-        len(kept_norms) == len(norms)
-        and len(kept) == len(points)
-        and links_kept == links
-        and src_kept == n_src
-    ):
-        return BudgetFit(width, links_kept, dropped, norms, layout, [], [], None)
+    if len(kept_norms) == len(norms) and len(kept) == len(points) and src_kept == n_src:
+        return BudgetFit(width, dropped, norms, layout, [], [], None)
     skipped_norms = [n.name for n in norms if n not in kept_norms]
     kept_names = {p.name for p in kept}
     skipped_points = [p.name for p in points if p.name not in kept_names]
@@ -79,19 +70,16 @@ def fit_budget(
         f"layers and {len(points)} residual points need {_fmt_bytes(full)}, over "
         f"max_memory={_fmt_bytes(budget)}; reading {len(kept_norms)} of {total_norms} norm "
         f"layers and {len(kept)} of {len(points)} residual points, at a stride over depth "
-        f"({_fmt_bytes(tap_cost(kept_norms, kept, width, links_kept, src_kept))}); left out: "
+        f"({_fmt_bytes(tap_cost(kept_norms, kept, width, src_kept))}); left out: "
         f"norm layers {names(skipped_norms)}; residual points "
         f"{names(skipped_points)}"
-        + ("; the no-cancellation margin (not read)" if links and not links_kept else "")
         + (
             f"; the per-source reads (max_sources={n_src}: not read)"
             if n_src and not src_kept
             else ""
         )
     )
-    return BudgetFit(
-        width, links_kept, dropped, kept_norms, layout, skipped_norms, skipped_points, warning
-    )
+    return BudgetFit(width, dropped, kept_norms, layout, skipped_norms, skipped_points, warning)
 
 
 def stream_width(norms: Sequence[NormLayer], layout: ResidualLayout) -> int:
@@ -108,20 +96,17 @@ def tap_cost(
     norms: Sequence[NormLayer],
     points: Sequence[ResidualPoint],
     width: int,
-    links: bool = False,
     sources: int = 0,
 ) -> int:
     """Bytes of the co-moments of every distinct tap (``8 d^2`` each; a point that is a norm's
-    input shares that norm's input tap), with ``links`` the cross-moments between
-    consecutive points (``8 d^2`` each), and ``sources`` accumulators per point."""
+    input shares that norm's input tap), and ``sources`` accumulators per point."""
     keys: dict[tuple[str, str], int] = {}
     for n in norms:
         keys[(n.name, "input")] = keys[(n.name, "output")] = n.dim
     for p in points:
         keys.setdefault((p.module_name, p.where), width)
-    cross = 8 * width * width * (len(points) - 1) if links and len(points) > 1 else 0
     per_source = 8 * width * width * len(points) * sources
-    return sum(8 * d * d for d in keys.values()) + cross + per_source
+    return sum(8 * d * d for d in keys.values()) + per_source
 
 
 def _thin_points(points: Sequence[ResidualPoint], kept: Sequence[int]) -> list[ResidualPoint]:
@@ -144,19 +129,17 @@ def plan_budget(
     points: Sequence[ResidualPoint],
     width: int,
     budget: int,
-    links: bool = False,
     sources: int = 0,
-) -> tuple[list[NormLayer], list[ResidualPoint], bool, int]:
+) -> tuple[list[NormLayer], list[ResidualPoint], int]:
     """What fits in ``budget`` bytes: the residual profile first (the collapse alarm; at a
-    stride over depth, first and last point kept, when it alone is over), then (``links``) the
-    cross-moments between its kept points if they all fit, then norm layers at the smallest
-    stride over depth that fits in what is left (the final norm kept when it fits). Returns the
-    norms, the points, whether the cross-moments are kept and the sources planned for (the
-    ``sources`` per-source accumulators at every kept point come after the cross-moments and
-    before the norm layers, all or none).
+    stride over depth, first and last point kept, when it alone is over), then norm layers at
+    the smallest stride over depth that fits in what is left (the final norm kept when it
+    fits). Returns the norms, the points and the sources planned for (the ``sources``
+    per-source accumulators at every kept point come after the profile and before the norm
+    layers, all or none).
     """
-    if tap_cost(norms, points, width, links, sources) <= budget:
-        return norms, list(points), links, sources
+    if tap_cost(norms, points, width, sources) <= budget:
+        return norms, list(points), sources
     kept_points: list[ResidualPoint] = list(points)
     if tap_cost([], points, width) > budget:
         kept_points = []
@@ -170,15 +153,14 @@ def plan_budget(
         if not kept_points and len(points) >= 2:
             ends = _thin_points(points, [0, len(points) - 1])
             kept_points = ends if tap_cost([], ends, width) <= budget else []
-    links = links and len(kept_points) > 1 and tap_cost([], kept_points, width, True) <= budget
-    if sources and tap_cost([], kept_points, width, links, sources) > budget:
+    if sources and tap_cost([], kept_points, width, sources) > budget:
         sources = 0
     chosen: list[NormLayer] = []
     for stride in range(1, len(norms) + 1):
         candidate = norms[::stride]
         if norms[-1] not in candidate:
             candidate = [*candidate[:-1], norms[-1]] if len(candidate) > 1 else [norms[-1]]
-        if tap_cost(candidate, kept_points, width, links, sources) <= budget:
+        if tap_cost(candidate, kept_points, width, sources) <= budget:
             chosen = candidate
             break
-    return chosen, kept_points, links, sources
+    return chosen, kept_points, sources

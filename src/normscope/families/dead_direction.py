@@ -39,7 +39,6 @@ from normscope.alerts import (
 )
 from normscope.alerts.rules import classify_collapses, collapse_keys, source_reads
 from normscope.families.budget import fit_budget, stream_width
-from normscope.functional.cancellation import no_cancellation_margin
 from normscope.functional.dead_direction import (
     GammaRead,
     KernelRead,
@@ -111,10 +110,6 @@ class DeadDirectionTracker:
             :meth:`memory_bytes` stays within the budget.
         null_tol: ``tau`` of ``null_dim`` (docs/metrics.md §1.2); raise it for bf16 forwards (~1e-4).
         seed: seed of the row subsampling.
-        margin: also measure the no-cancellation margin between consecutive residual points
-            (:mod:`normscope.functional.cancellation`: one more ``8 d^2`` per point; under
-            ``max_memory`` it is kept after the profile and before the norm layers, whole or
-            not at all). The residual points always fold the same sampled rows.
         sources: name each sampled row's source (:mod:`normscope.taps.sources`): ``fn(batch)
             -> str`` (the whole batch), ``fn(batch) -> labels`` (a sequence or tensor, one per
             sample) or a batch field name. Each source gets its own float64 accumulator per
@@ -123,7 +118,7 @@ class DeadDirectionTracker:
             distribution-dependent (:mod:`normscope.alerts.rules`). Label a batch with
             :meth:`label` (the monitors and :func:`normscope.scan_model` do).
         max_sources: sources tracked (the first seen; ``max_memory`` plans for this many:
-            ``8 d^2`` per source and point, after the margin, before the norm layers, whole or
+            ``8 d^2`` per source and point, after the profile, before the norm layers, whole or
             not at all). Rows of later sources stay in the pooled read only (a warning).
 
     Example::
@@ -147,7 +142,6 @@ class DeadDirectionTracker:
         null_tol: float = 1e-10,
         seed: int = 0,
         max_memory: int | None = None,
-        margin: bool = True,
         sources: SourceSpec | None = None,
         max_sources: int = 8,
     ) -> None:
@@ -165,7 +159,6 @@ class DeadDirectionTracker:
         self._sources_failed: str | None = None
         self._sources_warned: set[str] = set()
         self.model = model
-        self.margin = margin
         self.layers = layers
         self.residual = residual
         self.null_tol = null_tol
@@ -251,8 +244,7 @@ class DeadDirectionTracker:
                 self.taps.add(p.module_name, p.where, width) for p in self.layout.points
             ]
             if len({t.key for t in self.point_taps}) == len(self.point_taps):
-                cross = self.margin and len(self.point_taps) > 1
-                chain = self.taps.chain_points(self.point_taps, cross=cross)
+                chain = self.taps.chain_points(self.point_taps)
                 if self.sources is not None:
                     self.split = SourceSplit(
                         [t.dim for t in self.point_taps],
@@ -304,9 +296,8 @@ class DeadDirectionTracker:
         warn naming what is left out. Runs once, at :meth:`attach`, after the residual points
         are known."""
         n_src = self.max_sources if self.sources is not None else 0
-        fit = fit_budget(self.norms, self.layout, budget, margin=self.margin, sources=n_src)
+        fit = fit_budget(self.norms, self.layout, budget, sources=n_src)
         self._width = fit.width or None
-        self.margin = fit.margin
         if fit.sources_dropped:
             self.sources = None
             self._sources_failed = "max_memory"
@@ -402,14 +393,6 @@ class DeadDirectionTracker:
             for n in self.norms
         }
 
-    def cross_moments(self) -> list:
-        """The cross-moments between consecutive residual points (empty without a chain or
-        once they failed)."""
-        chain = self.taps.chain
-        if chain is None or chain.cross_failed is not None:
-            return []
-        return chain.cross
-
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
         """The open window's accumulators."""
@@ -417,7 +400,6 @@ class DeadDirectionTracker:
             "taps": {
                 f"{k[0]}|{k[1]}": t.accumulator.state_dict() for k, t in self.taps.taps.items()
             },
-            "cross": [acc.state_dict() for acc in self.cross_moments()],
             **({"sources": self.split.state_dict()} if self.split is not None else {}),
         }
 
@@ -427,11 +409,6 @@ class DeadDirectionTracker:
             tap = self.taps.taps.get((name, where))
             if tap is not None and int(acc_state["dim"]) == tap.dim:
                 tap.accumulator.load_state_dict(acc_state)
-        cross, saved = self.cross_moments(), state.get("cross", [])
-        if len(saved) == len(cross):
-            for acc, acc_state in zip(cross, saved):
-                if int(acc_state["dim"]) == acc.dim:
-                    acc.load_state_dict(acc_state)
         if self.split is not None and "sources" in state:
             self.split.load_state_dict(state["sources"])
 
@@ -533,8 +510,6 @@ class DeadDirectionReport:
             steps = [p.sigma_min_step for p in self.profile.points[1:]]
             steps = [s for s in steps if math.isfinite(s)]
             out[f"{FAMILY}/sigma_min_step_min"] = min(steps) if steps else math.nan
-            # dd/<point>/no_cancellation_margin and dd/no_cancellation_margin_min come with
-            # the profile's keys when the margin was measured
         out[f"{FAMILY}/rows_rejected"] = float(self.rows_rejected)
         # the residual points this read covers: 0 says "no sigma_min profile" out loud
         out[f"{FAMILY}/profile_points"] = (
@@ -618,7 +593,7 @@ class DeadDirectionReport:
 #    memory while the read holds the old (a swap, no ``d x d`` copy). With ``swap=False`` the
 #    read takes the live accumulators and the caller resets them after.
 # 2. :func:`solve_window` runs the float64 solves as a fixed list of jobs (norm layers in the
-#    tracker's order, then the residual points' ``sigma_min``, the margins, the sources). One
+#    tracker's order, then the residual points' ``sigma_min``, the sources). One
 #    process solves them all: share ``(0, 1)``; under DDP every rank holds the same reduced
 #    accumulators and solves every ``world``-th job (round robin). It runs anywhere (the worker
 #    thread too): no collective, no tracker state.
@@ -651,7 +626,6 @@ class ReadWindow:
     gammas: dict[str, torch.Tensor]
     skip: set[str]  # norm layers not read (a failed tap or an earlier failed read)
     point_taps: list[Tap]
-    cross: list[Any]
     sources: dict[str, list[Any]] | None  # per-source accumulators; None: not read
     layout: Any
     profile_on: bool
@@ -660,7 +634,7 @@ class ReadWindow:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the read reads (for ``record_stream`` on a side CUDA stream)."""
-        accs = [t.accumulator for t in self.taps] + list(self.cross)
+        accs = [t.accumulator for t in self.taps]
         for group in (self.sources or {}).values():
             accs.extend(group)
         out = [v for a in accs for v in vars(a).values() if isinstance(v, torch.Tensor)]
@@ -674,7 +648,6 @@ class ReadRecords:
     norms: dict[str, NormReport] = field(default_factory=dict)
     norm_failures: dict[str, str] = field(default_factory=dict)
     sigmas: dict[int, tuple[float, str | None, int]] = field(default_factory=dict)
-    margins: dict[int, float] = field(default_factory=dict)
     profile_failure: str | None = None
     sources: dict[str, Any] = field(default_factory=dict)
     sources_failure: str | None = None
@@ -687,8 +660,6 @@ def reduce_taps(tracker: DeadDirectionTracker) -> None:
     same order); then every rank holds the same window."""
     for tap in tracker.taps.taps.values():  # same order on every rank
         tap.accumulator.reduce_()
-    for acc in tracker.cross_moments():
-        acc.reduce_()
     if tracker.split is not None:
         tracker.split.reduce_()  # source names agreed across ranks first
 
@@ -712,8 +683,6 @@ def take_window(tracker: DeadDirectionTracker, step: int, *, swap: bool) -> Read
     (the synchronous read, which resets after)."""
     live = list(tracker.taps.taps.values())
     frozen = {t.key: (_frozen(t) if swap else t) for t in live}
-    cross = list(tracker.cross_moments())
-    cross = [copy.copy(a) for a in cross] if swap else cross
     split = tracker.split
     sources = None
     if split is not None and split.failed is None:
@@ -734,7 +703,6 @@ def take_window(tracker: DeadDirectionTracker, step: int, *, swap: bool) -> Read
         gammas=tracker.window_gammas(),
         skip=skip,
         point_taps=[frozen[t.key] for t in tracker.point_taps],
-        cross=cross,
         sources=sources,
         layout=tracker.layout,
         profile_on=tracker.profile_failed is None,
@@ -756,8 +724,6 @@ def _jobs(window: ReadWindow) -> list[tuple[str, Any]]:
     jobs: list[tuple[str, Any]] = [("norm", n) for n in window.norms if n.name not in window.skip]
     if window.profile_on and window.layout is not None and window.point_taps:
         jobs += [("point", k) for k in range(len(window.point_taps))]
-        if len(window.cross) == len(window.point_taps) - 1:
-            jobs += [("margin", k) for k in range(1, len(window.point_taps))]
         jobs += [("source", name) for name in window.sources or {}]
     return jobs
 
@@ -791,15 +757,6 @@ def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, ou
             acc = window.point_taps[what].accumulator
             anchor = anchors(window.layout)
             out.sigmas[what] = point_sigma(acc.second_moment(), acc.count, anchor=anchor)
-        elif kind == "margin":
-            acc, prev = window.cross[what - 1], window.point_taps[what - 1].accumulator
-            # lambda_min(S_{k-1}) is p_{k-1}'s sigma_min squared: solved once when this rank has it
-            before = out.sigmas.get(what - 1, (math.nan,))[0]
-            known = before**2 if math.isfinite(before) and before > 0 else None
-            margin = no_cancellation_margin(
-                acc.moment(), prev.second_moment(), acc.count, previous_lambda_min=known
-            )
-            out.margins[what] = margin[0]
         elif kind == "source":
             assert window.sources is not None
             out.sources.update(read_sources_of({what: window.sources[what]}, window.layout))
@@ -878,12 +835,10 @@ def profile_from_parts(
     sigmas: Sequence[tuple],
     n_rows: Sequence[int],
     dims: Sequence[int],
-    margins: Sequence[float] | None = None,
 ) -> SigmaMinProfile:
     """The profile of ``points`` (residual points: ``name``, ``sublayer``) from each point's
-    :func:`point_sigma`, row count and width (the dense fallbacks summed); ``margins``:
-    ``p_1 ... p_L``'s no-cancellation margins (None: not measured). The one profile builder of
-    the monitor's reads.
+    :func:`point_sigma`, row count and width (the dense fallbacks summed). The one profile
+    builder of the monitor's reads.
 
     Example::
 
@@ -893,7 +848,7 @@ def profile_from_parts(
         >>> profile_from_parts(points, parts, [8, 8], [2, 2]).sigma_min_ratio_min
         2.0
     """
-    profile = profile_from_sigmas(
+    return profile_from_sigmas(
         [p.name for p in points],
         [p.sublayer for p in points],
         [(s[0], s[1]) for s in sigmas],
@@ -901,9 +856,6 @@ def profile_from_parts(
         dims,
         dense_fallbacks=sum(s[2] if len(s) > 2 else 0 for s in sigmas),
     )
-    if margins is None:
-        return profile
-    return dataclasses.replace(profile, no_cancellation_margin=(math.nan, *margins))
 
 
 def read_sources_of(
@@ -968,7 +920,6 @@ def finish_report(
         merged.norms.update(part.norms)
         merged.norm_failures.update(part.norm_failures)
         merged.sigmas.update(part.sigmas)
-        merged.margins.update(part.margins)
         merged.sources.update(part.sources)
         merged.profile_failure = merged.profile_failure or part.profile_failure
         merged.sources_failure = merged.sources_failure or part.sources_failure
@@ -985,15 +936,11 @@ def finish_report(
             tracker.profile_failed = merged.profile_failure
             _warn_disabled("the residual sigma_min profile", merged.profile_failure)
     elif window.profile_on and window.layout is not None and window.point_taps:
-        margins = None
-        if len(window.cross) == len(window.point_taps) - 1:
-            margins = [merged.margins[k] for k in range(1, len(window.point_taps))]
         profile = profile_from_parts(
             window.layout.points,
             [merged.sigmas[k] for k in range(len(window.point_taps))],
             [t.accumulator.count for t in window.point_taps],
             [t.dim for t in window.point_taps],
-            margins,
         )
     rejected = sum(t.accumulator.rows_rejected for t in window.taps)
     failed = dict(window.failed_taps)
@@ -1488,15 +1435,12 @@ def format_table(report: DeadDirectionReport) -> str:
     if report.profile is not None:
         lines.append("")
         lines.append(
-            f"{'residual point':<40} {'sublayer':<8} {'sigma_min':>10} {'ratio':>7} {'step':>7} "
-            f"{'margin':>9}"
+            f"{'residual point':<40} {'sublayer':<8} {'sigma_min':>10} {'ratio':>7} {'step':>7}"
         )
-        margins = report.profile.no_cancellation_margin
-        for p, margin in zip(report.profile.points, margins):
+        for p in report.profile.points:
             lines.append(
                 f"{p.name[-40:]:<40} {p.sublayer or '-':<8} {_f(p.sigma_min, '.4g'):>10} "
-                f"{_f(p.sigma_min_ratio, '.3f'):>7} {_f(p.sigma_min_step, '.3f'):>7} "
-                f"{_f(margin, '.3g'):>9}"
+                f"{_f(p.sigma_min_ratio, '.3f'):>7} {_f(p.sigma_min_step, '.3f'):>7}"
             )
     return "\n".join(lines)
 

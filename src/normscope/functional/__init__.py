@@ -1,11 +1,5 @@
 """Pure math on tensors: accumulators and reads (docs/metrics.md). No hooks, no Lightning, no logging."""
 
-from normscope.functional.cancellation import (
-    RetentionRead,
-    StreamingCrossMoment,
-    no_cancellation_margin,
-    sublayer_retention,
-)
 from normscope.functional.covariance import (
     StreamingCovariance,
     symmetric_eigh,
@@ -33,11 +27,11 @@ from normscope.functional.profile import (
     sigma_min,
     sigma_min_profile,
 )
+from normscope.functional.retention import RetentionRead, sublayer_retention
 
 __all__ = ["DiagonalMoment", "StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
 __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "kernel_read"]
 __all__ += ["predicted_kernel", "rmsnorm_alignment_max", "rows_comparable", "schur_quotient"]
-__all__ += ["StreamingCrossMoment", "no_cancellation_margin"]
 __all__ += ["RetentionRead", "sublayer_retention"]
 __all__ += ["ProfilePoint", "SigmaMinProfile", "sigma_min"]
 __all__ += ["sigma_min_profile"]

@@ -2,8 +2,9 @@
 
 Several reads take the norm's *input* to be the residual stream: the depth of ``v*`` in it
 (:func:`~normscope.functional.depth.direction_depth`, ``delta_gamma``), the Schur reads
-(:func:`~normscope.functional.schur.schur_quotient`) and the cancellation reads between two
-residual points (:mod:`~normscope.functional.cancellation`). In a **pre-norm** block
+(:func:`~normscope.functional.schur.schur_quotient`), the ``sigma_min`` profile and the
+retention pencil between two residual points (:mod:`~normscope.functional.retention`). In a
+**pre-norm** block
 (``x + f(norm(x))``) that holds; in a **post-norm** block (``norm(x + f(x))``, BERT, the original
 Transformer) the norm's input is a sum that never reaches the next block un-normalised, so those
 reads have no premise. Given ``placement="post"`` they return NaN with the reason

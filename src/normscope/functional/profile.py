@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -210,17 +210,12 @@ class SigmaMinProfile:
     A point after the anchor that does not span (a collapse to exact zero) keeps its ratio
     and the reason ``"rank_deficient"`` as a flag. ``anchor`` is None when no ratio exists.
 
-    ``no_cancellation_margin`` is aligned with ``points``: ``lambda_min(M_k) /
-    lambda_min(S_{k-1})`` (:mod:`normscope.functional.cancellation`), NaN for ``p_0`` and
-    wherever it is unknown; all NaN unless the tracker measured it (``margin_measured``).
     """
 
     points: tuple[ProfilePoint, ...]
     sigma_min_ratio_min: float
     worst_point: str | None
     reason: str | None
-    no_cancellation_margin: tuple[float, ...] = ()
-    margin_measured: bool = field(default=False, init=False)
     dense_fallbacks: int = 0
     anchor: str | None = None
     anchor_depth: int = 0
@@ -230,35 +225,14 @@ class SigmaMinProfile:
         """Whether leading points did not span, so the ratios anchor at ``anchor``, not p_0."""
         return self.anchor_depth > 0
 
-    def __post_init__(self) -> None:
-        margins = self.no_cancellation_margin
-        if not isinstance(margins, tuple):
-            margins = tuple(map(float, margins))
-        if margins and len(margins) != len(self.points):
-            raise ValueError(
-                f"SigmaMinProfile: {len(margins)} margins for {len(self.points)} points"
-            )
-        object.__setattr__(self, "margin_measured", bool(margins))
-        if not margins:
-            margins = (_NAN,) * len(self.points)
-        object.__setattr__(self, "no_cancellation_margin", margins)
-
-    @property
-    def no_cancellation_margin_min(self) -> float:
-        """The smallest finite margin over the points (NaN when none is known)."""
-        known = [m for m in self.no_cancellation_margin if math.isfinite(m)]
-        return min(known) if known else _NAN
-
     def as_dict(self) -> dict[str, float]:
         """Flat: ``<point>/sigma_min``, ``<point>/sigma_min_ratio``, ``<point>/sigma_min_step``,
         ``<point>/depth`` (its index ``k``, so that a log alone gives the forward order) and
         the intervals ``<point>/sigma_min_ratio_lo``, ``_hi``, ``<point>/sigma_min_step_lo``,
         ``_hi`` for every point; ``sigma_min_ratio_min`` and ``rows_per_dim`` (``N / d`` at
-        ``p_0``: the points fold the same rows);
-        when the margin was measured also ``<point>/no_cancellation_margin`` and
-        ``no_cancellation_margin_min``."""
+        ``p_0``: the points fold the same rows)."""
         out: dict[str, float] = {}
-        for p, margin in zip(self.points, self.no_cancellation_margin):
+        for p in self.points:
             out[f"{p.name}/sigma_min"] = p.sigma_min
             out[f"{p.name}/sigma_min_ratio"] = p.sigma_min_ratio
             out[f"{p.name}/sigma_min_step"] = p.sigma_min_step
@@ -267,13 +241,9 @@ class SigmaMinProfile:
             out[f"{p.name}/sigma_min_ratio_hi"] = p.ratio_hi
             out[f"{p.name}/sigma_min_step_lo"] = p.step_lo
             out[f"{p.name}/sigma_min_step_hi"] = p.step_hi
-            if self.margin_measured:
-                out[f"{p.name}/no_cancellation_margin"] = margin
         out["sigma_min_ratio_min"] = self.sigma_min_ratio_min
         # every point folds the same sampled rows: one N/d for the profile (p_0's)
         out["rows_per_dim"] = self.points[0].rows_per_dim if self.points else _NAN
-        if self.margin_measured:
-            out["no_cancellation_margin_min"] = self.no_cancellation_margin_min
         return out
 
 

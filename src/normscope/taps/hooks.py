@@ -15,8 +15,7 @@ tensor's own device, with the batch's padding mask when the caller supplied one
 skipped, so no row is counted twice. If a hook raises, it disables that module's taps alone,
 warns once naming it (or hands the failure to the set's ``on_fail``), and training goes on. The
 residual points' taps fold through a :class:`~normscope.taps.hooks.PointChain`
-(:meth:`TapSet.chain_points`): one row subset per forward for all of them, and the
-cross-moments between neighbours.
+(:meth:`TapSet.chain_points`): one row subset per forward for all of them.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from einops import rearrange
 from torch import nn
 
 from normscope._common import warn_disabled
-from normscope.functional.cancellation import StreamingCrossMoment
 from normscope.functional.covariance import StreamingCovariance
 
 __all__ = [
@@ -180,7 +178,7 @@ class TapSet:
         self.on_fail = on_fail
         self.taps: dict[tuple[str, str], Tap] = {}
         self._handles: dict[tuple[str, str], Any] = {}
-        self.chain: PointChain | None = None  # the residual points: same rows, cross-moments
+        self.chain: PointChain | None = None  # the residual points: the same rows
         # the hooks hold this set weakly: once its owner (a monitor) is gone, the set is
         # collected and this removes every hook it left on the model
         weakref.finalize(self, _remove_handles, self._handles)
@@ -230,16 +228,13 @@ class TapSet:
         *,
         max_rows: int | None | str = "same",
         seed: int | None = None,
-        cross: bool = True,
     ) -> PointChain:
         """Make ``taps`` (residual points, in forward order) fold the same rows each forward
-        and, with ``cross``, accumulate the cross-moments between neighbours
         (:class:`~normscope.taps.hooks.PointChain`; defaults: this set's ``max_rows``, ``seed``)."""
         self.chain = PointChain(
             taps,
             max_rows=self.max_rows if max_rows == "same" else max_rows,
             seed=self.seed if seed is None else seed,
-            cross=cross,
         )
         return self.chain
 
@@ -308,10 +303,8 @@ class TapSet:
         return len(self.taps)
 
     def memory_bytes(self) -> int:
-        """Bytes held by the accumulators (a covariance's co-moment: ``8 d^2``) and the chain's
-        cross-moments (``8 d^2`` each)."""
-        chain = self.chain.memory_bytes() if self.chain is not None else 0
-        return sum(t.accumulator.memory_bytes() for t in self.taps.values()) + chain
+        """Bytes held by the accumulators (a covariance's co-moment: ``8 d^2``)."""
+        return sum(t.accumulator.memory_bytes() for t in self.taps.values())
 
 
 def _remove_handles(handles: dict[tuple[str, str], Any]) -> None:
@@ -400,16 +393,13 @@ def eager_forwards() -> Iterator[None]:
 
 
 # ============================================================================
-# The residual points as one chain: the same sampled rows at every point, and ``M_k`` between
-# neighbours (the no-cancellation margin, :mod:`normscope.functional.cancellation`).
+# The residual points as one chain: the same sampled rows at every point.
 #
-# ``S_k = S_{k-1} + M_k + F_k^T F_k / N`` holds only on the *same* rows, so the points' taps
-# must not subsample independently. A :class:`PointChain` draws one row subset per forward, at
-# ``p_0`` (seeded), and every later point of that forward keeps the same rows (masks are the
-# gate's, the same for all points); each point's accumulator then sees at most ``max_rows`` rows
-# and does not subsample again. With ``cross=True`` it also keeps the subset's rows of ``p_{k-1}``
-# until ``p_k`` arrives (one point's rows at a time, on sampled forwards only) and folds the pair
-# into a :class:`StreamingCrossMoment`.
+# The ``sigma_min`` step between two points compares their second moments, which is a statement
+# about one stream only on the *same* rows, so the points' taps must not subsample independently.
+# A :class:`PointChain` draws one row subset per forward, at ``p_0`` (seeded), and every later
+# point of that forward keeps the same rows (masks are the gate's, the same for all points); each
+# point's accumulator then sees at most ``max_rows`` rows and does not subsample again.
 #
 # :class:`~normscope.taps.hooks.TapSet` calls :meth:`PointChain.fold` from its hook, instead of
 # the tap's own ``accumulator.update``, for the taps of the chain.
@@ -417,13 +407,12 @@ def eager_forwards() -> Iterator[None]:
 
 
 class PointChain:
-    """Same-row folding of the residual point taps, in forward order, and their cross-moments.
+    """Same-row folding of the residual point taps, in forward order.
 
     Args:
         taps: the points' :class:`~normscope.taps.hooks.Tap` objects, ``p_0`` first.
         max_rows: rows kept per forward (one seeded subset for every point); None keeps all.
         seed: seed of the subset.
-        cross: also accumulate ``M_k`` between consecutive points (``8 d^2`` bytes each).
 
     Example::
 
@@ -435,8 +424,8 @@ class PointChain:
         >>> chain = taps.chain_points([taps.add(n, "input", 4) for n in ("1", "2")], max_rows=8)
         >>> with taps.gate.sampling():
         ...     _ = model(torch.randn(32, 4))
-        >>> [t.accumulator.count for t in chain.taps], chain.cross[0].count
-        ([8, 8], 8)
+        >>> [t.accumulator.count for t in chain.taps]
+        [8, 8]
     """
 
     def __init__(
@@ -445,7 +434,6 @@ class PointChain:
         *,
         max_rows: int | None = None,
         seed: int = 0,
-        cross: bool = True,
     ) -> None:
         self.taps = list(taps)
         self.index = {t.key: k for k, t in enumerate(self.taps)}
@@ -453,27 +441,19 @@ class PointChain:
             raise ValueError("PointChain: every point needs a tap of its own")
         self.max_rows = max_rows
         self.seed = seed
-        self.cross: list[StreamingCrossMoment] = (
-            [StreamingCrossMoment(t.dim, t.accumulator.device) for t in self.taps[1:]]
-            if cross
-            else []
-        )
-        self.cross_failed: str | None = None
         self.split = None  # normscope.taps.sources.SourceSplit: per-source accumulators
         self._generator: torch.Generator | None = None
         self._forward = 0
         self._pick: torch.Tensor | None = None
         self._pick_rows = -1
         self._broken = False  # this forward's points did not see the same rows
-        self._stash: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None
 
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self.index
 
     def fold(self, tap, x: torch.Tensor, mask: torch.Tensor | None, sources=None) -> None:
-        """Fold ``x`` (``(..., d)``) into ``tap``'s accumulator on this forward's row subset,
-        and the pair ``(p_{k-1}, p_k)`` into ``M_k``. Raises on a bad tensor (the caller
-        disables the tap); a failure of the cross-moment alone disables the margins only."""
+        """Fold ``x`` (``(..., d)``) into ``tap``'s accumulator on this forward's row subset.
+        Raises on a bad tensor (the caller disables the tap)."""
         k = self.index[tap.key]
         rows = rearrange(x.detach(), "... d -> (...) d")
         keep = (
@@ -514,11 +494,6 @@ class PointChain:
                     goes_on="the pooled reads go on",
                     stacklevel=4,
                 )
-        if self.cross and self.cross_failed is None:
-            try:
-                self._fold_cross(k, rows, keep)
-            except Exception as err:  # noqa: BLE001 - the margins only; the taps go on
-                self._fail_cross(f"{type(err).__name__}: {err}")
 
     def _draw(self, n: int, device: torch.device) -> None:
         self._pick_rows = n
@@ -531,49 +506,10 @@ class PointChain:
         perm = torch.randperm(n, generator=self._generator, device=device)
         self._pick = perm[: self.max_rows]
 
-    def _fold_cross(self, k: int, rows: torch.Tensor, keep: torch.Tensor | None) -> None:
-        stash, self._stash = self._stash, None
-        if k >= 1 and stash is not None and not self._broken:
-            forward, prev_k, prev_rows, prev_keep = stash
-            if forward == self._forward and prev_k == k - 1:
-                acc = self.cross[k - 1]
-                if acc.device != rows.device:
-                    acc.to(rows.device)
-                both = _and(prev_keep, keep)
-                acc.update(prev_rows, rows, mask=both)
-        if k + 1 < len(self.taps) and not self._broken:
-            # A private copy: the model may edit the stream in place before p_{k+1} is reached.
-            self._stash = (self._forward, k, rows.clone(), keep)
-
-    def _fail_cross(self, reason: str) -> None:
-        self.cross_failed = reason
-        self._stash = None
-        warn_disabled(
-            "the accumulation of the no-cancellation cross-moments",
-            reason,
-            goes_on="sigma_min and the other reads go on",
-            stacklevel=4,
-        )
-
     def reset(self) -> None:
         """Start a new window (the subset generator keeps its position)."""
-        for acc in self.cross:
-            acc.reset()
         if self.split is not None:
             self.split.reset()
-        self._stash = None
-
-    def memory_bytes(self) -> int:
-        """Bytes of the cross-moments (``8 d^2`` each)."""
-        return sum(acc.memory_bytes() for acc in self.cross)
-
-
-def _and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a & b
 
 
 # ============================================================================
