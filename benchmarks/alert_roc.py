@@ -8,7 +8,8 @@
 a step, data from examples/data.py) at widths 64/128/256, LayerNorm and RMSNorm, 5 seeds each,
 trained 100 steps. On every run, six real monitors read at once (``DeadDirectionMonitor`` driven
 by :class:`normscope.Monitor`, each its own hooks and schedule): ``every_n_steps`` 1,
-5 and 50 times ``max_rows_per_step`` 512 and 4096, the first read included. Any alert on these
+5 and 50 times ``rows_per_read`` 512 and 4096 (one forward a step: rows per step), the first
+read included (``--rows default``: the monitor's default, ``8 d`` per read, instead). Any alert on these
 is a false alarm.
 
 **Collapsing runs**: the same model with the cancelling MLP branch of block 2 (``f(x) =
@@ -152,14 +153,23 @@ def judge(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def sweep(
-    quick: bool, rng: random.Random, offset: int = 0, n_seeds: int | None = None
+    quick: bool,
+    rng: random.Random,
+    offset: int = 0,
+    n_seeds: int | None = None,
+    *,
+    caps: tuple[int | None, ...] = (512, 4096),
+    widths: tuple[int, ...] | None = None,
+    strengths: tuple[float, ...] | None = None,
 ) -> list[Run]:
     """The runs: healthy seeds ``offset ..`` (5, 1 with ``quick``), collapsing seeds
-    ``100 + offset ..`` (2, 1 with ``quick``); ``n_seeds`` overrides both counts."""
-    widths = (32, 64) if quick else (64, 128, 256)
+    ``100 + offset ..`` (2, 1 with ``quick``); ``n_seeds`` overrides both counts. ``caps``:
+    the ``rows_per_read`` of the monitors (None: the default, ``8 d``); ``widths`` and
+    ``strengths`` (of the step collapses; the ramp comes with 0.95) narrow the sweep."""
+    widths = widths or ((32, 64) if quick else (64, 128, 256))
     seeds = range(offset, offset + (n_seeds or (1 if quick else 5)))
     steps = 30 if quick else 100
-    healthy_sched = [(e, r) for e in ((1, 5) if quick else (1, 5, 50)) for r in (512, 4096)]
+    healthy_sched = [(e, r) for e in ((1, 5) if quick else (1, 5, 50)) for r in caps]
     runs = [
         Run("healthy", w, n, s, steps=steps, schedules=healthy_sched)
         for w in widths
@@ -168,6 +178,8 @@ def sweep(
     ]
     kinds = [("step", 0.95)] if quick else [("step", 0.5), ("step", 0.8), ("step", 0.95)]
     kinds += [] if quick else [("ramp", 0.95)]
+    if strengths is not None:
+        kinds = [(k, s) for k, s in kinds if s in strengths]
     for w in widths:
         for n in ("layernorm", "rmsnorm"):
             for s in range(offset, offset + (n_seeds or (1 if quick else 2))):
@@ -183,7 +195,7 @@ def sweep(
                             strength=strength,
                             switch_at=switch,
                             steps=switch + length,
-                            schedules=[(5, 512), (5, 4096)],
+                            schedules=[(5, r) for r in caps],
                         )
                     )
     return runs
@@ -274,6 +286,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seeds", type=int, default=None, help="seeds per configuration")
     p.add_argument("--judge", nargs="+", default=None, help="judge the reads of --out JSONLs")
     p.add_argument("--only", choices=("healthy", "collapse"), default=None, help="one half")
+    p.add_argument(
+        "--rows",
+        choices=("caps", "default"),
+        default="caps",
+        help="caps: rows_per_read 512 and 4096; default: the monitor's default (8 d per read)",
+    )
+    p.add_argument("--widths", type=int, nargs="+", default=None, help="narrow the sweep")
+    p.add_argument("--strengths", type=float, nargs="+", default=None, help="narrow the sweep")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -295,7 +315,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 records += [json.loads(line) for line in fh]
         n_runs = len({r["run"] for r in records})
     else:
-        runs = sweep(args.quick, random.Random(args.seed), args.seed_offset, args.seeds)
+        runs = sweep(
+            args.quick,
+            random.Random(args.seed),
+            args.seed_offset,
+            args.seeds,
+            caps=(None,) if args.rows == "default" else (512, 4096),
+            widths=tuple(args.widths) if args.widths else None,
+            strengths=tuple(args.strengths) if args.strengths else None,
+        )
         if args.only:
             runs = [r for r in runs if (r.kind == "healthy") == (args.only == "healthy")]
         n_runs = len(runs)
@@ -333,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     misses = defaultdict(int)
     for c in verdict["collapse"]["default"]:
         if c["strength"] >= 0.8 and (c["delay"] is None or c["delay"] > 2):
-            misses[(c["kind"], c["strength"], c["width"], c["rows"])] += 1
+            misses[(c["kind"], c["strength"], c["width"], str(c["rows"]))] += 1
     print("  " + (", ".join(f"{k}: {v}" for k, v in sorted(misses.items())) or "none"))
     verdict["records"] = len(records)
     return verdict

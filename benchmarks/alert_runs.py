@@ -34,7 +34,8 @@ class Run:
     layers: int = 4
     batch: int = 32
     block: int = 64
-    schedules: list[tuple[int, int]] = field(default_factory=list)  # (every, max_rows)
+    # (every, rows_per_read); rows None: the monitor's default (8 d per read)
+    schedules: list[tuple[int, int | None]] = field(default_factory=list)
     cancel_block: int = 2
 
     @property
@@ -57,12 +58,12 @@ def run_batches(data: torch.Tensor, run: Run, seed: int):
         yield torch.stack(xs), torch.stack(ys)
 
 
-def _monitor(model, every: int, rows: int, per_dim: float, width: int, layers: int):
+def _monitor(model, every: int, rows: int | None, per_dim: float, width: int, layers: int):
     points = 2 * layers + 1
     monitor = Monitor.dead_direction(
         model,
         every_n_steps=every,
-        max_rows_per_step=rows,
+        rows_per_read=rows,  # None: the monitor's default, 8 d per read
         kernel_residual_alert=None,
         alerts=(),
         verbose=False,
@@ -85,7 +86,7 @@ def simulate(run: Run, data: torch.Tensor) -> list[dict[str, Any]]:
     watches = {}
     for every, rows in run.schedules:
         watches[(every, rows, 4.0)] = _monitor(model, every, rows, 4.0, run.width, run.layers)
-        if rows < 4 * run.width:  # version 1 read at 2 d rows here
+        if rows is not None and rows < 4 * run.width:  # version 1 read at 2 d rows here
             watches[(every, rows, 2.0)] = _monitor(model, every, rows, 2.0, run.width, run.layers)
     records: list[dict[str, Any]] = []
     batches = run_batches(data, run, seed=run.seed)

@@ -37,6 +37,13 @@ class Sizes:
     precision: str
     max_bytes: int
     budget_s: float
+    # part 5, benchmarks/overhead.py's step-interleaved run: widths, cadences, steps, block
+    overhead_widths: list[int] = field(default_factory=lambda: [128, 256, 512])
+    overhead_every: list[int] = field(default_factory=lambda: [10, 20, 50])
+    overhead_steps: int = 150
+    overhead_block: int = 10
+    overhead_batch: int = 32  # the demo's batch (of 64 byte tokens) and depth
+    overhead_layers: int = 4
 
     @staticmethod
     def cuda() -> Sizes:
@@ -78,6 +85,12 @@ class Sizes:
             precision="32-true",
             max_bytes=200_000,
             budget_s=60.0,
+            overhead_widths=[32],
+            overhead_every=[2],
+            overhead_steps=6,
+            overhead_block=2,
+            overhead_batch=4,
+            overhead_layers=2,
         )
 
 

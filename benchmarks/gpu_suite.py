@@ -21,6 +21,11 @@ start past its part's or the global deadline is recorded as skipped, never run):
    ``SignMagnitudeMonitor`` and both; step times from the first callback's batch start to the
    last one's batch end, the training stream synchronised (an asynchronous read's side stream
    is not waited for: its cost shows as what it takes from the training kernels).
+5. **overhead** -- ``benchmarks/overhead.py``'s step-interleaved run on the device (the demo
+   GPT at widths 128, 256, 512; no monitor, ``DeadDirectionMonitor`` and ``wandb.watch`` at
+   ``every_n_steps`` 10, 20, 50, one process, block by block): the per-read extra of the
+   monitor and of ``wandb.watch`` in plain steps and the mean-step ratios, the figures the CPU
+   run records in ``benchmarks/RESULTS.md``.
 
 On CUDA every timing is bracketed by ``torch.cuda.synchronize`` and memory is read with
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. The tables go to stdout
@@ -65,9 +70,20 @@ from gpu_kernels import (  # noqa: E402
     table_eigensolves,
     table_read,
 )
-from gpu_training import part_training, table_training  # noqa: E402
+from gpu_training import (  # noqa: E402
+    part_overhead,
+    part_training,
+    table_overhead,
+    table_training,
+)
 
-PART_SHARES = {"accumulate": 0.15, "eigensolves": 0.25, "monitor read": 0.20, "training": 0.35}
+PART_SHARES = {
+    "accumulate": 0.12,
+    "eigensolves": 0.2,
+    "monitor read": 0.16,
+    "training": 0.27,
+    "overhead": 0.2,
+}
 
 
 # ------------------------------------------------------------------------ driver
@@ -76,6 +92,7 @@ PARTS: list[tuple[str, Callable[..., list[dict[str, Any]]], Callable[..., str]]]
     ("eigensolves", part_eigensolves, table_eigensolves),
     ("monitor read", part_read, table_read),
     ("training", part_training, table_training),
+    ("overhead", part_overhead, table_overhead),
 ]
 
 

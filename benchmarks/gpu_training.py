@@ -105,6 +105,51 @@ def part_training(dev: torch.device, sz: Sizes, clock: Clock) -> list[dict[str, 
     return out
 
 
+# ------------------------------------------------------------------------ part 5
+def part_overhead(dev: torch.device, sz: Sizes, clock: Clock) -> list[dict[str, Any]]:
+    """``benchmarks/overhead.py``'s step-interleaved run on the device: per width, the
+    per-read extra of the monitor and of ``wandb.watch`` in plain steps, and the mean-step
+    ratio at each cadence (the CPU figures' counterpart; same code)."""
+    from overhead import interleaved, summarise_interleaved
+
+    out: list[dict[str, Any]] = []
+    for width in sz.overhead_widths:
+        why = clock.why_not()
+        if why:
+            out.append({"width": width, "configuration": "all", "status": why})
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = interleaved(
+                width,
+                sz.overhead_every,
+                sz.overhead_steps,
+                device=dev,
+                block=sz.overhead_block,
+                batch_size=sz.overhead_batch,
+                layers=sz.overhead_layers,
+                stop=lambda: clock.why_not() is not None,
+                max_bytes=sz.max_bytes,
+            )
+        skip = min(5, max(1, sz.overhead_steps // 3))
+        rows = summarise_interleaved(width, got, skip=skip)
+        done = min(len(r["times"]) for r in got)
+        status = "ok" if done >= sz.overhead_steps else f"ok: {done} steps (deadline)"
+        out += [dict(r, status=status) for r in rows]
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def table_overhead(rows: list[dict[str, Any]]) -> str:
+    from overhead import HEADERS, render
+
+    done = [r for r in rows if "ratio" in r]
+    skipped = [f"width {r['width']}: {r['status']}" for r in rows if "ratio" not in r]
+    text = markdown_table(HEADERS, render(done)) if done else ""
+    return text + ("\n\n" + "; ".join(skipped) if skipped else "")
+
+
 def table_training(rows: list[dict[str, Any]]) -> str:
     cells = []
     for r in rows:

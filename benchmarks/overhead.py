@@ -1,31 +1,53 @@
-"""Training-step overhead of DeadDirectionMonitor against no monitor and against wandb.watch.
+"""Training-step overhead of DeadDirectionMonitor against no monitor and against wandb.watch,
+measured step-interleaved in one process.
 
-The demo model (``examples/nanogpt.py``) is trained for the same steps in each configuration:
+The demo model (``examples/nanogpt.py``, 4 blocks, batch 32 x 64 byte tokens) is trained in one
+process as several copies from the same initial weights, one per configuration, in a plain
+PyTorch loop (forward, backward, AdamW step), **step by step** (``--block 1``, the default: one
+step of each copy in turn, the order rotated each round; ``--block k`` runs ``k`` at a turn),
+so that the load of a shared machine hits every configuration alike and cancels in paired
+differences (separate runs, one after another, measured a
+neighbour's load as monitor overhead or hid it). Each step is timed on its own (wall clock; on
+CUDA the device is synchronised at both ends). Configurations, per width:
 
-* ``none``                       -- no monitor;
-* ``dd every=N``                 -- DeadDirectionMonitor(every_n_steps=N), the default N = 50 among them;
-* ``wandb.watch every=N``        -- ``wandb.watch(model, log="all", log_freq=N)`` (offline W&B run),
-                                    the monitoring users already run;
-* with ``--async-reads``: ``dd sync every=N`` and ``dd async every=N`` (``async_reads=False`` /
-  ``True``) instead of the two above, and a second table: each read's critical-path cost,
-  ``every x (mean - none mean)`` (the read step, the publish and the worker's contention with
-  training all included), and the read step's own extra, sync and async side by side;
+* ``none``: no monitor;
+* ``dd every=N``: ``Monitor.dead_direction(model, every_n_steps=N)`` with its defaults
+  (``rows_per_read=None``: ``8 d`` rows per read), synchronous reads, no logger;
+* ``wandb.watch every=N``: ``wandb.watch(model, log="all", log_freq=N)``, the monitoring users
+  already run.
 
-Each step is timed (forward + backward + optimiser, wall clock) inside a Lightning fit, from
-the first callback's ``on_train_batch_start`` to the last callback's ``on_train_batch_end``, so a
-sampled step includes the monitor's read (:class:`StepTimer`). Printed: the median step time,
-the mean step time (what a run pays over all steps), the mean over the *non-sampled* steps only
-(a hook that returns at once must cost nothing there), the mean over the *sampled* steps (rows
-folded + the read), and the ratio of the mean to ``none``. Usage::
+Every copy (``none`` included) commits one row a step to one offline W&B run, as the logger a
+user already runs does, so the baseline carries it and ``wandb.watch`` is charged with its own
+hooks only. Reported per width, against the ``none`` copy in the same run, from paired step
+times (step ``i`` of a copy against step ``i`` of ``none``, run in the same round; ``diff_i``
+their difference):
 
-    python benchmarks/overhead.py                 # steps=200, cadences 50 and 10, 2 repeats
-    python benchmarks/overhead.py --steps 400 --every 50 10 1 --width 128 256
-    python benchmarks/overhead.py --async-reads --steps 160 --every 10 50 --threads 1
+* **per-read extra, in plain steps**: ``N x mean(diff) / median(none)``, with its standard
+  error: everything a read (or a ``wandb.watch`` histogram round) adds to a run, wherever it
+  lands (the monitor's cost is its read steps; ``wandb.watch`` pays its gradient hooks at every
+  step as well). The most precise at the smallest ``N`` (the error of a mean is multiplied by
+  ``N``);
+* **mean-step ratio**: ``1 + mean(diff) / mean(none)``, with its standard error;
+* **read-step spike**: the median ``diff`` of the read steps (the sampled forward, its fold
+  and the read; for ``wandb.watch`` its logging steps, found as the residue of the step
+  modulo ``N`` with the highest median) minus that of the other steps, in plain steps; and
+  **per-step overhead**, the median ``diff`` of the other steps.
+
+Usage::
+
+    python benchmarks/overhead.py                                  # width 128, N = 10 20 50
+    python benchmarks/overhead.py --width 128 256 --steps 200 --out /tmp/overhead
+    python benchmarks/overhead.py --width 512 --every 10 --steps 60  # the per-read extra only
+    python benchmarks/overhead.py --render /tmp/overhead.json
+
+``StepTimer``, ``timed_trainer`` and ``summarise`` (a Lightning fit's step times) serve
+``benchmarks/gpu_training.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -34,6 +56,8 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +66,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: examples
 from examples.data import make_dataloaders  # noqa: E402
-from examples.lit_gpt import LitGPT  # noqa: E402
-from examples.nanogpt import GPTConfig  # noqa: E402
+from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, machine_line, markdown_table, write_outputs  # noqa: E402
 
-from normscope import DeadDirectionMonitor  # noqa: E402
+from normscope import Monitor  # noqa: E402
 
 
 class StepTimer(L.Callback):
@@ -102,39 +125,6 @@ def _sync_module(pl_module) -> None:
         torch.cuda.current_stream(pl_module.device).synchronize()
 
 
-class TimedMonitor(DeadDirectionMonitor):
-    """The monitor, keeping each read's critical-path seconds as its cost guard times them: the
-    whole read when synchronous; the hand-off plus the publish when asynchronous."""
-
-    def _judge_cost(self, read_seconds: float) -> None:
-        self.__dict__.setdefault("read_costs", []).append(read_seconds)
-        super()._judge_cost(read_seconds)
-
-
-class WandbWatch(L.Callback):
-    def __init__(self, every: int, run_dir: str) -> None:
-        self.every = every
-        self.run_dir = run_dir
-        self.run = None
-
-    def on_fit_start(self, trainer, pl_module):
-        import wandb
-
-        self.run = wandb.init(mode="offline", dir=self.run_dir, project="normscope-bench")
-        wandb.watch(pl_module, log="all", log_freq=self.every)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        # wandb.watch hooks log into the run on its own schedule; committing a row each step is
-        # what a WandbLogger does too.
-        self.run.log({"step": trainer.global_step})
-
-    def on_fit_end(self, trainer, pl_module):
-        import wandb
-
-        wandb.unwatch(pl_module)
-        self.run.finish()
-
-
 def timed_trainer(timer: StepTimer, monitors: list, steps: int, **kw: Any) -> L.Trainer:
     """A quiet Trainer whose callbacks are ``timer.start``, the monitors, then ``timer``, so
     that a sampled step's time includes its read (the order is checked)."""
@@ -151,32 +141,6 @@ def timed_trainer(timer: StepTimer, monitors: list, steps: int, **kw: Any) -> L.
     trainer = L.Trainer(max_steps=steps, callbacks=[timer.start, *monitors, timer], **settings)
     timer.check_order(trainer, monitors)
     return trainer
-
-
-def run(
-    config: str, every: int, steps: int, width: int, batch_size: int, async_reads: bool = False
-) -> dict:
-    torch.manual_seed(0)
-    cfg = GPTConfig(n_embd=width)
-    module = LitGPT(cfg)
-    train, _ = make_dataloaders(cfg.block_size, batch_size=batch_size, seed=0)
-    timer = StepTimer()
-    inner: list[L.Callback] = []
-    tmp = tempfile.mkdtemp(prefix="normscope-bench-")
-    if config in ("dd", "dd-async"):
-        inner.append(
-            TimedMonitor(
-                every_n_steps=every, verbose=False, alerts=(), async_reads=config == "dd-async"
-            )
-        )
-    elif config == "watch":
-        inner.append(WandbWatch(every, tmp))
-    trainer = timed_trainer(timer, inner, steps)
-    trainer.fit(module, train_dataloaders=train)
-    out = summarise(timer, every, skip=5)
-    costs = [c for m in inner for c in getattr(m, "read_costs", [])]
-    out["read_critical"] = statistics.median(costs) if costs else float("nan")
-    return out
 
 
 def summarise(timer: StepTimer, every: int, skip: int = 5) -> dict:
@@ -196,169 +160,273 @@ def summarise(timer: StepTimer, every: int, skip: int = 5) -> dict:
     }
 
 
+# --------------------------------------------------------------------- interleaved
+@dataclass
+class Copy:
+    """One configuration's model, optimiser, batches, monitor and step times."""
+
+    name: str
+    kind: str  # "none" | "dd" | "watch"
+    every: int
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    batches: Iterator
+    monitor: Any = None
+    times: list[float] = field(default_factory=list)
+    read_steps: set[int] = field(default_factory=set)
+    step: int = 0
+
+
+def _batches(batch_size: int, device: torch.device, max_bytes: int, seed: int = 0) -> Iterator:
+    train, _ = make_dataloaders(64, batch_size=batch_size, seed=seed, max_bytes=max_bytes)
+    while True:
+        for x, y in train:
+            yield x.to(device), y.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _one_step(c: Copy, device: torch.device, run: Any) -> None:
+    x, y = next(c.batches)
+    _sync(device)
+    t0 = time.perf_counter()
+    if c.kind == "dd":
+        with c.monitor.step((x, y)) as result:
+            _, loss = c.model(x, y)
+            loss.backward()
+            c.opt.step()
+            c.opt.zero_grad(set_to_none=True)
+        if result.report is not None:
+            c.read_steps.add(c.step)
+    else:
+        _, loss = c.model(x, y)
+        loss.backward()
+        c.opt.step()
+        c.opt.zero_grad(set_to_none=True)
+    if run is not None:
+        # every copy commits one row a step, as the W&B logger users already run does: the
+        # baseline includes it, so the comparison charges wandb.watch with its hooks only
+        run.log({f"loss/{c.name}": loss.detach()})
+    _sync(device)
+    c.times.append(time.perf_counter() - t0)
+    c.step += 1
+
+
+def interleaved(
+    width: int,
+    everys: Sequence[int],
+    steps: int,
+    *,
+    device: torch.device | str = "cpu",
+    block: int = 1,
+    batch_size: int = 32,
+    layers: int = 4,
+    watch: bool = True,
+    run_dir: str | None = None,
+    stop: Callable[[], bool] | None = None,
+    max_bytes: int = 4_000_000,
+) -> list[dict[str, Any]]:
+    """Train every configuration ``steps`` steps, interleaved block by block; one dict per
+    configuration (step times and read steps), ``none`` first. ``stop()`` is asked before
+    each round (a deadline): True ends the run with the rounds done, every copy alike."""
+    device = torch.device(device)
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(n_embd=width, n_layer=layers)).to(device)
+    configs = [("none", "none", max(everys))]
+    configs += [(f"dd every={e}", "dd", e) for e in everys]
+    configs += [(f"wandb.watch every={e}", "watch", e) for e in everys] if watch else []
+    run = None
+    if watch:
+        import wandb
+
+        run = wandb.init(
+            mode="offline", dir=run_dir or tempfile.mkdtemp(prefix="normscope-bench-"),
+            project="normscope-bench",
+        )  # fmt: skip
+    copies = []
+    for name, kind, every in configs:
+        model = copy.deepcopy(base)
+        c = Copy(name, kind, every, model, make_optimizer(model, 1e-3, 0.1), _batches(
+            batch_size, device, max_bytes))  # fmt: skip
+        if kind == "dd":
+            c.monitor = Monitor.dead_direction(
+                model, every_n_steps=every, alerts=(), verbose=False, overhead_warn=None
+            )
+        elif kind == "watch":
+            wandb.watch(model, log="all", log_freq=every, idx=len(copies))
+        copies.append(c)
+    try:
+        rounds = -(-steps // block)
+        for r in range(rounds):
+            if stop is not None and r > 0 and stop():
+                break
+            order = copies[r % len(copies) :] + copies[: r % len(copies)]
+            for c in order:
+                for _ in range(min(block, steps - c.step)):
+                    _one_step(c, device, run)
+    finally:
+        for c in copies:
+            if c.monitor is not None:
+                c.monitor.close()
+        if run is not None:
+            run.finish()
+    return [
+        {"name": c.name, "kind": c.kind, "every": c.every, "times": c.times,
+         "read_steps": sorted(c.read_steps)}
+        for c in copies
+    ]  # fmt: skip
+
+
+def summarise_interleaved(
+    width: int, results: list[dict[str, Any]], skip: int = 5
+) -> list[dict[str, Any]]:
+    """Per configuration, against the ``none`` copy of the same run, from **paired** step
+    times: step ``i`` of a copy and step ``i`` of ``none`` ran in the same round (one step of
+    each copy in turn), so a neighbour's load hits both and cancels in their difference
+    ``diff_i``. The first ``skip`` steps of every copy (warm-up, the monitor's discovery step)
+    are left out alike.
+
+    * per-read extra, in plain steps: ``every x mean(diff) / median(none)``, with its
+      standard error (from the spread of ``diff``);
+    * mean-step ratio: ``1 + mean(diff) / mean(none)``;
+    * read-step spike: ``median(diff at read steps) - median(diff at the others)``, over
+      ``median(none)``; per-step overhead: ``median(diff at the others) / median(none)``.
+    """
+    none = next(r for r in results if r["kind"] == "none")
+    base = none["times"]
+    out = []
+    for r in results:
+        times = r["times"]
+        n = min(len(times), len(base))
+        idx = range(skip, n)
+        every = r["every"]
+        plain = statistics.median(base[i] for i in idx)
+        plain_mean = statistics.fmean(base[i] for i in idx)
+        diff = {i: times[i] - base[i] for i in idx}
+        if r["kind"] == "dd":
+            hit = [i for i in idx if i in set(r["read_steps"])]
+        elif r["kind"] == "watch":  # its hooks count their own calls: the slowest residue
+            by_residue = {
+                k: statistics.median([diff[i] for i in idx if i % every == k] or [0.0])
+                for k in range(every)
+            }
+            top = max(by_residue, key=by_residue.get)
+            hit = [i for i in idx if i % every == top]
+        else:
+            hit = []
+        quiet = [diff[i] for i in idx if i not in set(hit)]
+        mean_diff = statistics.fmean(diff.values())
+        se = statistics.stdev(diff.values()) / math.sqrt(len(diff)) if len(diff) > 1 else 0.0
+        quiet_med = statistics.median(quiet) if quiet else math.nan
+        spike = (
+            (statistics.median([diff[i] for i in hit]) - quiet_med) / plain
+            if hit and quiet
+            else math.nan
+        )
+        out.append(
+            {
+                "width": width,
+                "configuration": r["name"],
+                "kind": r["kind"],
+                "every": every,
+                "steps": len(diff),
+                "reads": len(hit),
+                "plain_ms": 1e3 * plain,
+                "mean_ms": 1e3 * statistics.fmean(times[i] for i in idx),
+                "per_step": quiet_med / plain if r["kind"] != "none" else 0.0,
+                "extra_steps": spike,
+                "per_read_steps": every * mean_diff / plain,
+                "per_read_se": every * se / plain,
+                "ratio": 1 + mean_diff / plain_mean,
+                "ratio_se": se / plain_mean,
+            }
+        )
+    return out
+
+
 HEADERS = [
     "width",
     "configuration",
-    "median ms",
-    "mean ms",
-    "non-sampled mean ms",
-    "sampled mean ms",
-    "mean / none",
-    "median / none",
-    "extra ms per read",
-    "extra / (every x none median)",
+    "steps (reads)",
+    "plain step ms (median)",
+    "per-step overhead",
+    "read-step spike, plain steps",
+    "per-read extra, plain steps (+- 1 s.e.)",
+    "mean-step ratio (+- 1 s.e.)",
 ]
 
 
-def render(data: list[dict]) -> list[list[str]]:
-    """Table rows of a run (the list ``main`` writes to JSON).
+def render(rows: list[dict[str, Any]]) -> list[list[str]]:
+    def num(v: float, f: str) -> str:
+        return format(v, f) if math.isfinite(v) else "-"
 
-    ``extra ms per read`` is the sampled steps' mean minus the non-sampled steps' mean of the
-    same run (rows folded + the read; with every=1, minus the ``none`` run's mean instead).
-    It is given for the monitor only: ``wandb.watch`` histograms on its own counter, whose
-    steps need not be the ones this schedule calls sampled. The last column is what that
-    extra costs a run at its cadence, against the plain step's median.
-    """
-    rows = []
-    for width in dict.fromkeys(r["width"] for r in data):
-        block = [r for r in data if r["width"] == width]
-        base = next(r for r in block if r["configuration"] == "none")
-        for r in block:
-            extra = math.nan
-            if r["configuration"].startswith("dd"):
-                quiet = r["quiet_mean"] if math.isfinite(r["quiet_mean"]) else base["mean"]
-                extra = r["sampled_mean"] - quiet
-            rows.append(
-                [
-                    str(width),
-                    r["configuration"],
-                    f"{1e3 * r['median']:.1f}",
-                    f"{1e3 * r['mean']:.1f}",
-                    f"{1e3 * r['quiet_mean']:.1f}" if math.isfinite(r["quiet_mean"]) else "-",
-                    f"{1e3 * r['sampled_mean']:.1f}" if r["configuration"] != "none" else "-",
-                    f"{r['mean'] / base['mean']:.3f}",
-                    f"{r['median'] / base['median']:.3f}",
-                    f"{1e3 * extra:.0f}" if math.isfinite(extra) else "-",
-                    f"{100 * extra / (r['every'] * base['median']):.1f}%"
-                    if math.isfinite(extra)
-                    else "-",
-                ]
-            )
-    return rows
-
-
-ASYNC_HEADERS = [
-    "width",
-    "every",
-    "sync read, critical path ms",
-    "async read, critical path ms",
-    "async / sync (critical)",
-    "sync ms per read",
-    "async ms per read",
-    "async / sync",
-    "sync read-step extra ms",
-    "async read-step extra ms",
-    "async / sync (read step)",
-]
-
-
-def render_async(data: list[dict]) -> list[list[str]]:
-    """Sync against async reads, from one run: the monitor's own critical-path time per read
-    (median; as its cost guard times it: sync the whole read, async the hand-off plus the
-    publish), per read ``every x (mean - none mean)`` (all
-    the critical-path time a read adds, wherever it lands: the read step, the publish, the
-    worker competing with training), and the read step's own extra (sampled minus non-sampled
-    mean)."""
-    rows = []
-    for width in dict.fromkeys(r["width"] for r in data):
-        block = {r["configuration"]: r for r in data if r["width"] == width}
-        base = block["none"]["mean"]
-        for every in sorted({r["every"] for r in data if r["configuration"] != "none"}):
-            sync, asyn = block[f"dd sync every={every}"], block[f"dd async every={every}"]
-            per = [every * (r["mean"] - base) for r in (sync, asyn)]
-            own = [r["sampled_mean"] - r["quiet_mean"] for r in (sync, asyn)]
-            crit = [r.get("read_critical", math.nan) for r in (sync, asyn)]
-            rows.append(
-                [
-                    str(width),
-                    str(every),
-                    f"{1e3 * crit[0]:.1f}",
-                    f"{1e3 * crit[1]:.1f}",
-                    f"{crit[1] / crit[0]:.2f}" if crit[0] > 0 else "-",
-                    f"{1e3 * per[0]:.1f}",
-                    f"{1e3 * per[1]:.1f}",
-                    f"{per[1] / per[0]:.2f}" if per[0] > 0 else "-",
-                    f"{1e3 * own[0]:.1f}",
-                    f"{1e3 * own[1]:.1f}",
-                    f"{own[1] / own[0]:.2f}" if own[0] > 0 else "-",
-                ]
-            )
-    return rows
+    return [
+        [
+            str(r["width"]),
+            r["configuration"],
+            f"{r['steps']} ({r['reads']})",
+            f"{r['plain_ms']:.1f}",
+            f"{100 * r['per_step']:+.1f}%" if r["kind"] != "none" else "-",
+            num(r["extra_steps"], ".2f"),
+            f"{r['per_read_steps']:.2f} +- {r['per_read_se']:.2f}" if r["kind"] != "none" else "-",
+            f"{r['ratio']:.4f} +- {r['ratio_se']:.4f}",
+        ]
+        for r in rows
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--every", type=int, nargs="+", default=[50, 10])
+    parser.add_argument("--steps", type=int, default=200, help="steps per configuration")
+    parser.add_argument("--every", type=int, nargs="+", default=[10, 20, 50])
     parser.add_argument("--width", type=int, nargs="+", default=[128])
+    parser.add_argument("--block", type=int, default=1, help="steps per turn of a copy")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-watch", action="store_true", help="leave wandb.watch out")
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads (1: reproducible on a shared machine)"
     )
-    parser.add_argument(
-        "--async-reads",
-        action="store_true",
-        help="compare DeadDirectionMonitor(async_reads=False) with async_reads=True",
-    )
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="also write <out>.md and <out>.json")
     parser.add_argument("--render", default=None, help="print the table of a saved <out>.json")
     args = parser.parse_args()
-    if args.render:
+    if args.render:  # summarised again from the saved step times
         saved = json.loads(Path(args.render).read_text())
-        print(saved.get("head", machine_line(saved["machine"])) + "\n")
-        print(markdown_table(HEADERS, render(saved["results"])))
-        if saved.get("async_reads"):
-            print("\n" + markdown_table(ASYNC_HEADERS, render_async(saved["results"])))
+        rows = [
+            row for w in saved["raw"] for row in summarise_interleaved(w["width"], w["results"])
+        ]
+        print(saved["head"] + "\n")
+        print(markdown_table(HEADERS, render(rows)))
         return
     os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_MODE", "offline")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    info = machine()
-    head = f"{machine_line(info)}; steps {args.steps}, batch {args.batch_size} x 64 bytes"
+    device = torch.device(args.device)
+    info = machine(device)
+    head = (
+        f"{machine_line(info)}; step-interleaved in one process, blocks of {args.block} steps, "
+        f"{args.steps} steps per configuration, batch {args.batch_size} x 64 bytes"
+    )
     print(head, flush=True)
-    data = []
+    rows: list[dict[str, Any]] = []
+    raw = []
     for width in args.width:
-        configs = [("none", "none", max(args.every))]
-        for every in args.every:
-            if args.async_reads:
-                configs += [
-                    (f"dd sync every={every}", "dd", every),
-                    (f"dd async every={every}", "dd-async", every),
-                ]
-                continue
-            configs += [
-                (f"dd every={every}", "dd", every),
-                (f"wandb.watch every={every}", "watch", every),
-            ]
-        # Repeats in rotated order, keeping each configuration's fastest repeat: a neighbour's
-        # load on a shared machine only ever slows a run down.
-        best: dict[str, dict] = {}
-        for rep in range(args.repeats):
-            order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
-            for name, kind, every in order:
-                r = run(kind, every, args.steps, width, args.batch_size)
-                print(f"  {name} (repeat {rep + 1}): mean {1e3 * r['mean']:.1f} ms", flush=True)
-                if name not in best or r["mean"] < best[name]["mean"]:
-                    best[name] = r
-        for name, _, every in configs:
-            data.append({"width": width, "configuration": name, "every": every, **best[name]})
-    text = head + "\n\n" + markdown_table(HEADERS, render(data))
-    if args.async_reads:
-        text += "\n\n" + markdown_table(ASYNC_HEADERS, render_async(data))
+        t0 = time.perf_counter()
+        got = interleaved(
+            width, args.every, args.steps, device=device, block=args.block,
+            batch_size=args.batch_size, watch=not args.no_watch,
+        )  # fmt: skip
+        raw.append({"width": width, "results": got})
+        rows += summarise_interleaved(width, got)
+        print(f"  width {width}: {time.perf_counter() - t0:.0f} s", flush=True)
+        print(markdown_table(HEADERS, render([r for r in rows if r["width"] == width])), flush=True)
+    text = head + "\n\n" + markdown_table(HEADERS, render(rows))
     print("\n" + text, flush=True)
-    saved = {"machine": info, "head": head, "results": data, "async_reads": args.async_reads}
-    write_outputs(args.out, text, saved)
+    write_outputs(args.out, text, {"machine": info, "head": head, "rows": rows, "raw": raw})
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def model_read_cost(
     opt = make_optimizer(model, 1e-4, 0.01)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tracker = DeadDirectionTracker(model, max_rows_per_step=4096)
+        tracker = DeadDirectionTracker(model, rows_per_read=4096)
     tracker.attach(forward=lambda: model(x[:2]))
 
     def step() -> None:

@@ -6,7 +6,7 @@ they arrive (:class:`~normscope.functional.StreamingCovariance`) and takes one e
 read time: ``s_i = sqrt(N * lambda_i(S))``. Routes, each on the same seeded rows:
 
 * ``streaming``  -- ``update`` per batch of 4096 float32 rows (the monitor's default
-                    ``max_rows_per_step``), then ``symmetric_eigh`` of ``second_moment()``;
+                    ``rows_per_read``), then ``symmetric_eigh`` of ``second_moment()``;
 * ``torch svd``  -- the rows copied into one preallocated ``N x d`` tensor, then
                     ``torch.linalg.svdvals``;
 * ``numpy svd``  -- the same into a numpy array, then ``np.linalg.svd(compute_uv=False)``.

@@ -246,7 +246,7 @@ def test_plain_loop_wandb_log_is_read_at_its_steps(tmp_path, wandb_offline):
         wandb.log(metrics, step=step)
 
     monitor = Monitor.dead_direction(
-        model, max_rows_per_step=None, log=log, every_n_steps=2, alerts=(), overhead_warn=None,
+        model, rows_per_read="all", log=log, every_n_steps=2, alerts=(), overhead_warn=None,
         verbose=False,
     )  # fmt: skip
     for _ in range(7):

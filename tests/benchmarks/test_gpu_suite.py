@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
-PARTS = ("accumulate", "eigensolves", "monitor read", "training")
+PARTS = ("accumulate", "eigensolves", "monitor read", "training", "overhead")
 
 
 def _run(*args: str, hide_cuda: bool = False) -> subprocess.CompletedProcess:
@@ -116,6 +116,20 @@ def test_smoke_training_runs_each_monitor_configuration(smoke) -> None:
     # every=1 reads at every step but the first, whose forward finds the stream: 6 steps, 5 reads
     assert rows["DeadDirectionMonitor every=1"]["reads"] == [5]
     assert "| none |" in md
+
+
+def test_smoke_overhead_interleaves_the_monitor_and_wandb_watch(smoke) -> None:
+    """Part 5 is benchmarks/overhead.py's step-interleaved run: every configuration trained
+    the same steps in one process, the monitor really read, wandb.watch really logged."""
+    _, data, md = smoke
+    rows = {r["configuration"]: r for r in data["parts"]["overhead"]["rows"]}
+    assert set(rows) == {"none", "dd every=2", "wandb.watch every=2"}
+    assert len({r["steps"] for r in rows.values()}) == 1  # the same steps for every copy
+    assert rows["none"]["ratio"] == 1.0 and rows["none"]["reads"] == 0
+    assert rows["dd every=2"]["reads"] >= 1 and rows["wandb.watch every=2"]["reads"] >= 1
+    for r in rows.values():
+        assert r["mean_ms"] > 0 and r["plain_ms"] > 0 and r["width"] == 32
+    assert "per-read extra, plain steps" in md
 
 
 def test_deadline_skips_instead_of_overrunning(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ def hf_run(tmp: Path, report_to: str) -> HFRun:
     (``"wandb"``, offline, or ``"tensorboard"``) under ``tmp`` (a W&B run goes where the
     process's first W&B run went: ``HFRun.folder`` says where)."""
     callback = DeadDirectionCallback(
-        every_n_steps=EVERY, max_rows_per_step=None, overhead_warn=None, alerts=("log",)
+        every_n_steps=EVERY, rows_per_read="all", overhead_warn=None, alerts=("log",)
     )
     args = transformers.TrainingArguments(
         output_dir=str(tmp / "hf"),

@@ -30,7 +30,7 @@ import normscope.functional.solvers as solvers
 from normscope.functional import StreamingCovariance, kernel_read, sigma_min, sigma_min_profile
 from normscope.functional.covariance import symmetric_eigh, symmetric_eigvalsh
 from normscope.functional.gamma import gamma_read, predicted_kernel
-from normscope.functional.kernel import _restricted_floor
+from normscope.functional.kernel import _restricted_floor, secular_floor
 from normscope.functional.solvers import ShiftedCholesky, bottom_eigh, lambda_max
 
 EPS = torch.finfo(torch.float64).eps
@@ -265,7 +265,10 @@ def dataclass_replace(obj, **kw):
 
 
 def test_dense_is_the_old_route_exactly() -> None:
-    """``solver="dense"`` is the pre-solver read: one eigh of C, eigvalsh of Q^T C Q."""
+    """``solver="dense"`` is one eigh of C; the live floor comes from its eigenpairs by the
+    secular equation (exactly :func:`secular_floor`), equal to the old second decomposition
+    (eigvalsh of Q^T C Q) up to the rounding of C's spectrum (eps ||C||, in the floor's units
+    ``lambda_max / mean``)."""
     c, gamma, n, kind = layernorm(256)
     read = kernel_read(c, gamma, n, declared_kind=kind, solver="dense")
     evals, evecs = symmetric_eigh(c)
@@ -276,7 +279,9 @@ def test_dense_is_the_old_route_exactly() -> None:
     assert read.bottom_eigenvalues == tuple((evals[:8] / lam).tolist())
     assert read.gamma_alignment == min(float(torch.linalg.vector_norm(p.T @ evecs[:, 0])), 1.0)
     assert read.kernel_residual == float(symmetric_eigvalsh(p.T @ c @ p)[-1] / lam)
-    assert read.live_floor == _restricted_floor(c, p)
+    assert read.live_floor == secular_floor(evals, evecs, p[:, 0])
+    scale = lam / float(evals.mean())
+    assert abs(read.live_floor - _restricted_floor(c, p)) <= 1e-13 * scale
     s = c + torch.outer(c[0], c[0]) * 0  # any PSD matrix
     assert sigma_min(s, n, solver="dense") == math.sqrt(max(float(symmetric_eigvalsh(s)[0]), 0))
 

@@ -34,7 +34,7 @@ EVERY = 2
 READ_STEPS = {"dd": [2, 4], "sm": [1, 2, 4]}
 CANCEL_LAYER, CANCEL_STRENGTH = 1, 0.95
 MONITOR_ARGS: dict[str, Any] = dict(
-    every_n_steps=EVERY, max_rows_per_step=None, alerts=(), overhead_warn=None, verbose=False
+    every_n_steps=EVERY, rows_per_read="all", alerts=(), overhead_warn=None, verbose=False
 )
 
 
@@ -160,7 +160,7 @@ def monitor_cls(family: str) -> type:
 def monitor_args(family: str) -> dict[str, Any]:
     args = dict(MONITOR_ARGS)
     if family == "sm":
-        args.pop("max_rows_per_step")
+        args.pop("rows_per_read")
     return args
 
 
@@ -338,7 +338,7 @@ trainer:
     - class_path: normscope.DeadDirectionMonitor
       init_args:
         every_n_steps: {EVERY}
-        max_rows_per_step: null
+        rows_per_read: all
         alerts: []
         overhead_warn: null
         verbose: false
@@ -357,7 +357,7 @@ def run_cli(tmp: Path, *, yaml_callback: bool) -> tuple[dict[int, dict[str, floa
         argv += [
             "--trainer.callbacks+=normscope.DeadDirectionMonitor",
             f"--trainer.callbacks.every_n_steps={EVERY}",
-            "--trainer.callbacks.max_rows_per_step=null",
+            "--trainer.callbacks.rows_per_read=all",
             "--trainer.callbacks.alerts=[]",
             "--trainer.callbacks.overhead_warn=null",
             "--trainer.callbacks.verbose=false",

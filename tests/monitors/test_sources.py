@@ -44,7 +44,7 @@ def model(cancel: str | None):
 
 
 def run_tracker(m, batches, **kw):
-    tracker = DeadDirectionTracker(m, max_rows_per_step=None, **kw)
+    tracker = DeadDirectionTracker(m, rows_per_read="all", **kw)
     tracker.attach(forward=lambda: call_model(m, batches[0]))
     with torch.no_grad():
         for b in batches:
@@ -198,7 +198,7 @@ def test_state_dict_round_trip_and_bad_labels_fail_open():
     batches = mixture_batches(n=64)
     m = model("source")
     a = run_tracker(m, batches, sources="source")
-    b = DeadDirectionTracker(m, max_rows_per_step=None, sources="source")
+    b = DeadDirectionTracker(m, rows_per_read="all", sources="source")
     b.attach(forward=lambda: call_model(m, batches[0]))
     b.load_state_dict(a.state_dict())
     assert a.read(reduce=False).as_dict() == pytest.approx(

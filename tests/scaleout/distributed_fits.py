@@ -123,7 +123,7 @@ def fit_exact(out: Path, async_reads: bool = False) -> dict[str, Any]:
     monitor = DeadDirectionMonitor(
         **SEPARATE_DISCOVERY,
         every_n_steps=EXACT_EVERY,
-        max_rows_per_step=None,
+        rows_per_read="all",
         rules=[
             recorder(reads),
             rank_one_only(at_step=EXACT_STOP),
@@ -227,7 +227,7 @@ def fit_fsdp(out: Path) -> dict[str, Any]:
     monitor = DeadDirectionMonitor(
         **SEPARATE_DISCOVERY,
         every_n_steps=EXACT_EVERY,
-        max_rows_per_step=None,
+        rows_per_read="all",
         rules=[recorder(reads)],
         verbose=False,
     )
@@ -388,7 +388,7 @@ def fit_sources(out: Path) -> dict[str, Any]:
     monitor = DeadDirectionMonitor(
         **SEPARATE_DISCOVERY,
         every_n_steps=EXACT_EVERY,
-        max_rows_per_step=None,
+        rows_per_read="all",
         rules=[recorder(reads)],
         sources="source",
         alerts=(),

@@ -23,7 +23,7 @@ def single_process_reads(
     relative in these reads."""
     batches = source_batches if sources is not None else shard_batches
     module.train()
-    tracker = DeadDirectionTracker(module, max_rows_per_step=None, sources=sources)
+    tracker = DeadDirectionTracker(module, rows_per_read="all", sources=sources)
     first = batches(0)[0]
     with torch.no_grad():
         tracker.attach(forward=lambda: module(first["input_ids"]))

@@ -283,7 +283,10 @@ class DeadDirectionMonitor(_LightningMonitor):
             docs/monitors.md, "Finding the residual stream"); that step is not read. When no
             stream is found, one warning says why, and ``dd/profile_points`` reads 0;
             ``residual=False`` silences it.
-        max_rows_per_step: rows kept per tapped tensor per forward (seeded uniform subsample).
+        rows_per_read: rows each tapped tensor folds per read, a seeded uniform subsample:
+            ``None`` (default) ``8 d`` (``d`` its width), an int that many, ``"all"`` every row.
+            Counted across the gradient-accumulation micro-batches of the read's step and
+            across ranks (each folds its share), so a read folds about the budget in all.
         alert_below: the ``sigma_min`` ratio floor of the theory (1.0).
         tolerance: how far below ``alert_below`` a ratio's interval may lie before it counts
             (default 0.4, with the sudden-drop floor 0.85 of
@@ -358,7 +361,7 @@ class DeadDirectionMonitor(_LightningMonitor):
         every_n_steps: int = 50,
         layers: str | Sequence[str] = "auto",
         residual: bool = True,
-        max_rows_per_step: int | None = 4096,
+        rows_per_read: int | str | None = None,
         alert_below: float = 1.0,
         tolerance: float = 0.4,
         patience: int = 1,
@@ -383,7 +386,7 @@ class DeadDirectionMonitor(_LightningMonitor):
             lambda: DeadDirectionFamily(
                 layers=layers,
                 residual=residual,
-                max_rows_per_step=max_rows_per_step,
+                rows_per_read=rows_per_read,
                 alert_below=alert_below,
                 tolerance=tolerance,
                 patience=patience,

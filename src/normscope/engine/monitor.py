@@ -88,6 +88,7 @@ class Family(Protocol):
     def first_batch(self, model: nn.Module, batch: Any) -> tuple[bool, bool]: ...
     def finish_discovery(self) -> None: ...
     def see(self, batch: Any) -> None: ...
+    def share_rows(self, forwards: int) -> None: ...
     def open(self, batch: Any) -> None: ...
     def close(self) -> None: ...
     def rows(self) -> torch.Tensor: ...
@@ -303,6 +304,10 @@ class Monitor:
         self._baseline_step = 0  # 1 on a compiled model: see taps.hooks.compiled
         self._deferred = 0
         self._step_at_begin = -1
+        # micro-batches of the current optimiser step, and the most seen in one step so far:
+        # a window's row budget is shared by that many forwards on each rank
+        self._micro = 0
+        self._micro_per_step = 1
         self._discovering = False
         self._discovery_step: int | None = None
         self._late_window: int | None = None
@@ -443,8 +448,13 @@ class Monitor:
                 self._discovery_step = step
             elif step == 0 and is_compiled:
                 self._baseline_step = 1  # the first compiled forward must see the gate closed
+        self._micro = self._micro + 1 if step == self._step_at_begin else 1
+        self._micro_per_step = max(self._micro_per_step, self._micro)
         self._step_at_begin = step
         if family.attached and self._in_window(step):
+            # the read's row budget, shared by its micro-batches on every rank (learned from
+            # the steps before: gradient accumulation runs the same count every step)
+            family.share_rows(self._micro_per_step * world_size())
             family.open(batch)
 
     def pause(self) -> None:

@@ -71,7 +71,7 @@ def scan_model(
         model,
         layers=layers,
         residual=residual,
-        max_rows_per_step=max_rows_per_batch,
+        rows_per_read="all" if max_rows_per_batch is None else max_rows_per_batch,
         null_tol=null_tol,
         max_memory=max_memory,
         sources=sources,

@@ -138,6 +138,10 @@ class SignMagnitudeFamily:
         assert self.tracker is not None
         self.tracker.gate.open = True
 
+    def share_rows(self, forwards: int) -> None:
+        """No row budget: the sign–magnitude taps keep a diagonal moment of every row."""
+        return None
+
     def see(self, batch: Any) -> None:
         """Every batch: the first one becomes the probe batch (cut, on the CPU) unless given."""
         if self.probe_batch is None and batch is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from normscope.functional.covariance import symmetric_eigh, symmetric_eigvalsh
@@ -24,7 +25,13 @@ from normscope.functional.solvers import (
     use_fast,
 )
 
-__all__ = ["KernelRead", "centring_residual", "kernel_read", "rmsnorm_alignment_max"]
+__all__ = [
+    "KernelRead",
+    "centring_residual",
+    "kernel_read",
+    "rmsnorm_alignment_max",
+    "secular_floor",
+]
 
 NORM_CLASSES = ("layernorm-like", "rmsnorm-like", "indeterminate")
 DECLARED_KINDS = ("layernorm", "rmsnorm")
@@ -191,6 +198,7 @@ def kernel_read(
     if not bool(torch.isfinite(c).all()):
         return empty("non_finite_covariance")
     factor = None
+    spectrum = None  # the dense route's (evals, evecs): the live floor reuses them
     if use_fast(solver, d, max(bottom_k, 1)):
         try:
             fast = _fast_spectrum(c, max(bottom_k, 1), null_tol)
@@ -215,6 +223,7 @@ def kernel_read(
         lam_d = float(evals[-1])
         if not lam_d > 0:
             return empty("zero_covariance")
+        spectrum = (evals, evecs)
         null = evals <= null_tol * lam_d
         null_dim = int(null.sum())
         u_1, u_0 = evecs[:, 0], evecs[:, null]
@@ -229,7 +238,9 @@ def kernel_read(
     alignment = torch.linalg.vector_norm(p.T @ u_1)
     try:
         pcp = p.T @ c @ p
-        residual = symmetric_eigvalsh(pcp)[-1] / lam_d
+        # one predicted direction (no dead channel): P^T C P is the number v*^T C v* itself
+        top = pcp[0, 0] if k == 1 else symmetric_eigvalsh(pcp)[-1]
+        residual = top / lam_d
         floor = None
         if factor is not None:
             try:
@@ -238,6 +249,9 @@ def kernel_read(
                 floor = None
             if floor is None:
                 fallbacks, route = 1, "dense"
+        if floor is None and spectrum is not None and removed.shape[1] <= 1:
+            # the eigendecomposition of C already taken: no second one (secular equation)
+            floor = secular_floor(*spectrum, removed[:, 0] if removed.shape[1] else None)
         if floor is None:
             floor = _restricted_floor(c, removed)
     except RuntimeError:
@@ -379,6 +393,61 @@ def _fast_floor(
         return None
     mean = (float(torch.trace(c)) - float(torch.trace(pcp))) / (d - k)
     return float(out.values[0]) / mean if mean > 0 else _NAN
+
+
+def secular_floor(
+    evals: torch.Tensor, evecs: torch.Tensor, removed: torch.Tensor | None = None
+) -> float:
+    """``live_floor`` from ``C``'s eigendecomposition: the smallest over the mean eigenvalue
+    of ``C`` restricted to the complement of the unit vector ``removed`` (all of ``C`` when
+    None), with no second decomposition.
+
+    With ``z = U^T v`` the eigenvalues of ``C`` compressed to ``v``'s complement are the roots
+    of the secular equation ``sum_i z_i^2 / (lambda_i - mu) = 0``; the smallest lies in
+    ``[lambda_1, lambda_2]``, where the function increases from ``-inf`` to ``+inf`` (to
+    ``lambda_2`` itself when ``z_2 = 0``, ``lambda_1`` when ``z_1 = 0``): bisection to the
+    last bit, on the host (one ``d``-vector moved, a few hundred flops per step). The mean
+    of the restricted eigenvalues is ``(tr C - v^T C v) / (d - 1)``.
+
+    Args:
+        evals: ``lambda``, ascending ``(d,)``; evecs: ``U`` ``(d, d)``, columns.
+        removed: ``v`` ``(d,)``, unit; None: the floor of ``C`` itself.
+
+    Example::
+
+        >>> import torch
+        >>> c = torch.diag(torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=torch.float64))
+        >>> lam, u = torch.linalg.eigh(c)
+        >>> secular_floor(lam, u, torch.tensor([1.0, 0, 0, 0], dtype=torch.float64))  # 1 / 2
+        0.5
+        >>> secular_floor(lam, u)   # lambda_1 / mean
+        0.0
+    """
+    d = evals.shape[0]
+    if removed is None:
+        lam = evals.cpu().numpy()
+        mean = float(lam.mean())
+        return float(lam[0]) / mean if mean > 0 else _NAN
+    if d < 2:
+        return _NAN
+    both = torch.stack([evals, evecs.mT @ removed.to(evecs)]).cpu().numpy()
+    lam, z2 = both[0], both[1] ** 2
+    mean = (float(lam.sum()) - float(z2 @ lam)) / (d - 1)
+    lo, hi = float(lam[0]), float(lam[1])
+    if z2[0] == 0.0 or not hi > lo:
+        low = lo
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for _ in range(200):
+                mid = 0.5 * (lo + hi)
+                if not lo < mid < hi:
+                    break
+                if float(np.sum(z2 / (lam - mid))) < 0.0:
+                    lo = mid
+                else:
+                    hi = mid
+        low = 0.5 * (lo + hi)
+    return low / mean if mean > 0 else _NAN
 
 
 def _restricted_floor(c: torch.Tensor, removed: torch.Tensor) -> float:
