@@ -214,3 +214,58 @@ def test_spectral_depth_of_eigenvectors():
     # mean log10 = -1.5; e_0 sits at -4, e_3 at 0
     out = spectral_depth(lam, u, u[:, [0, 3]])
     assert out.tolist() == pytest.approx([2.5, -1.5], abs=1e-15)
+
+
+# ------------------------------------------------------------ one eigh for every input read
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("spread", [1.0, 3.0, 6.0])
+def test_input_reads_equal_the_separate_reads(seed: int, spread: float) -> None:
+    """``input_reads`` takes one ``eigh``; its depth is ``direction_depth``'s bit for bit and
+    its Schur quotient ``schur_quotient``'s (a Cholesky factor) to 1e-9 relative: the same
+    ridged forms summed over eigenpairs instead of solved (``spread`` decades of eigenvalues,
+    up to 1e-6 of the top)."""
+    from normscope.functional import schur_quotient
+    from normscope.functional.depth import input_reads
+
+    g = torch.Generator().manual_seed(seed)
+    d = 48
+    q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64)).Q
+    lam = 10.0 ** (-spread * torch.rand(d, generator=g, dtype=torch.float64))
+    c = q @ torch.diag(lam) @ q.T
+    gamma = torch.exp(0.5 * torch.randn(d, generator=g, dtype=torch.float64))
+    import numpy as np
+
+    shared = input_reads(c, gamma, 4 * d)
+    assert shared.depth == direction_depth(c, gamma, 4 * d)
+    # the depth against numpy's own eigh (1e-9 decades: both float64 decompositions)
+    lam_np, u_np = np.linalg.eigh(c.numpy())
+    v = (1 / gamma).numpy()
+    w = (u_np.T @ (v / np.linalg.norm(v))) ** 2
+    want = float(np.log10(lam_np).mean() - w @ np.log10(lam_np))
+    assert shared.depth.depth == pytest.approx(want, abs=1e-9)
+    ref = schur_quotient(c, gamma, 4 * d)
+    assert shared.schur.schur_quotient == pytest.approx(ref.schur_quotient, rel=1e-9)
+    assert shared.schur.schur_complement == pytest.approx(ref.schur_complement, rel=1e-9)
+    assert shared.schur.reason is ref.reason is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rank_one_floor_is_the_second_moments_bottom(seed: int) -> None:
+    """``lambda_min(C + m m^T)`` by the secular equation equals numpy's ``eigvalsh`` of the
+    second moment to 1e-12 of its top eigenvalue (float64 eigensolvers are accurate to a few
+    ulps of the largest eigenvalue), on covariances 0-8 decades deep, a mean large or small."""
+    import numpy as np
+
+    from normscope.functional.depth import rank_one_floor
+
+    g = torch.Generator().manual_seed(seed)
+    d = 32
+    x = torch.randn(4 * d, d, generator=g, dtype=torch.float64)
+    x = x * 10.0 ** (-(seed + 2) * torch.rand(d, generator=g, dtype=torch.float64))
+    mean = torch.randn(d, generator=g, dtype=torch.float64) * (10.0 ** (seed - 3))
+    c = torch.cov(x.T, correction=0)
+    evals, evecs = torch.linalg.eigh(c)
+    s = (c + torch.outer(mean, mean)).numpy()
+    ref = np.linalg.eigvalsh(s)
+    got = rank_one_floor(evals, evecs, mean)
+    assert abs(got - ref[0]) <= 1e-12 * ref[-1], (got, ref[0])

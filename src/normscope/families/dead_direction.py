@@ -45,10 +45,15 @@ from normscope.functional.dead_direction import (
     SchurRead,
     gamma_read,
     kernel_read,
-    schur_quotient,
 )
-from normscope.functional.depth import DepthRead, direction_depth
-from normscope.functional.profile import SigmaMinProfile, profile_from_sigmas, sigma_min_profile
+from normscope.functional.depth import DepthRead, input_reads, secular_bottom
+from normscope.functional.profile import (
+    RANK_DEFICIENT,
+    RANK_TOL,
+    SigmaMinProfile,
+    profile_from_sigmas,
+    sigma_min_profile,
+)
 from normscope.taps.hooks import (
     Gate,
     Tap,
@@ -78,6 +83,7 @@ __all__ = [
     "format_table",
     "gather_records",
     "key_path",
+    "point_from_spectrum",
     "point_sigma",
     "profile_from_parts",
     "read_norm",
@@ -530,6 +536,10 @@ class NormReport:
     schur: SchurRead
     depth: DepthRead
     n_rows: int
+    #: the input covariance's ``(eigenvalues, eigenvectors)`` while the read is solved (the
+    #: residual point this norm reads takes its ``sigma_min`` from it); dropped before the
+    #: report leaves the solve
+    spectrum: Any = field(default=None, repr=False, compare=False)
 
     @property
     def delta_gamma(self) -> float:
@@ -791,10 +801,26 @@ def take_window(tracker: DeadDirectionTracker, step: int, *, swap: bool) -> Read
 
 
 # ------------------------------------------------------------------------ the solves
+def _covered(window: ReadWindow) -> dict[str, int]:
+    """The residual points whose ``sigma_min`` a norm's job reads (norm name -> point index):
+    a point that is a read norm's input (every point of a pre-norm stack) comes from that
+    norm's input ``eigh`` (:func:`point_from_spectrum`), not from a decomposition of its own."""
+    if not (window.profile_on and window.layout is not None and window.point_taps):
+        return {}
+    by_key = {tap.key: k for k, tap in enumerate(window.point_taps)}
+    out: dict[str, int] = {}
+    for norm in window.norms:
+        k = by_key.get(window.norm_taps[norm.name][0].key)
+        if norm.name not in window.skip and k is not None and k not in out.values():
+            out[norm.name] = k
+    return out
+
+
 def _jobs(window: ReadWindow) -> list[tuple[str, Any]]:
     jobs: list[tuple[str, Any]] = [("norm", n) for n in window.norms if n.name not in window.skip]
     if window.profile_on and window.layout is not None and window.point_taps:
-        jobs += [("point", k) for k in range(len(window.point_taps))]
+        covered = set(_covered(window).values())
+        jobs += [("point", k) for k in range(len(window.point_taps)) if k not in covered]
         jobs += [("source", name) for name in window.sources or {}]
     return jobs
 
@@ -841,12 +867,49 @@ def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, ou
 
 def _solve_norm(tracker: DeadDirectionTracker, window: ReadWindow, norm: Any, out: ReadRecords):
     tap_in, tap_out = window.norm_taps[norm.name]
+    point = _covered(window).get(norm.name)
+    report = None
     try:
-        out.norms[norm.name] = tracker.read_norm(norm, tap_in, tap_out, window.gammas[norm.name])
+        report = tracker.read_norm(norm, tap_in, tap_out, window.gammas[norm.name])
     except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
         out.norm_failures[norm.name] = f"{type(err).__name__}: {err}"
+    if point is not None:  # the residual point this norm reads: a read of the profile's
+        try:
+            spectrum = report.spectrum if report is not None else None
+            out.sigmas[point] = point_from_spectrum(
+                tap_in.accumulator, spectrum, anchor=anchors(window.layout)
+            )
+        except Exception as err:  # noqa: BLE001 - the profile's failure, not the norm's
+            out.profile_failure = out.profile_failure or f"{type(err).__name__}: {err}"
+    if report is None:
         return
+    out.norms[norm.name] = dataclasses.replace(report, spectrum=None)
     out.solves += 1
+
+
+def point_from_spectrum(
+    accumulator: Any, spectrum: tuple[torch.Tensor, torch.Tensor] | None, *, anchor: bool = True
+) -> tuple[float, str | None, int]:
+    """A residual point's :func:`point_sigma` from the ``eigh`` of its covariance ``C`` that the
+    norm reading it took: ``S = C + mu mu^T``, so ``lambda_1(S)`` is the smallest root of the
+    rank-one update's secular equation (:func:`~normscope.functional.depth.rank_one_floor`,
+    :func:`~normscope.functional.depth.secular_bottom`)
+    and ``||S||_F^2 = sum lambda_i^2 + 2 sum lambda_i z_i^2 + (sum z_i^2)^2`` (``z = U^T mu``)
+    for the ``rank_deficient`` flag. Without a spectrum (the norm's input reads had a reason
+    first: an RMSNorm, too few rows...) the point's own decomposition answers
+    (:func:`point_sigma`)."""
+    if spectrum is None:
+        return point_sigma(accumulator.second_moment(), accumulator.count, anchor=anchor)
+    evals, evecs = spectrum
+    host = torch.stack([evals, evecs.mT @ accumulator.mean.to(evecs)]).cpu().numpy()
+    lam, z2 = host[0], host[1] ** 2
+    low = secular_bottom(lam, z2)
+    reason = None
+    if anchor:
+        fro2 = float((lam**2).sum() + 2 * (lam * z2).sum() + z2.sum() ** 2)
+        if not low > RANK_TOL * math.sqrt(max(fro2, 0.0)):
+            reason = RANK_DEFICIENT
+    return math.sqrt(max(low, 0.0)), reason, 0
 
 
 def read_norm(
@@ -859,7 +922,8 @@ def read_norm(
 ) -> NormReport:
     """Every read of ``norm`` from its input and output taps, with the window's ``gamma``: the
     kernel reads of the output covariance, and of the input covariance the Schur quotient and
-    ``v*``'s depth with its control (one ``eigh``; docs/metrics.md §1.3). ``placement="post"``
+    ``v*``'s depth with its control (one ``eigh`` for both: :func:`input_reads`;
+    docs/metrics.md §1.3). ``placement="post"``
     (a post-norm block: the input is not the residual stream): the input reads are NaN with
     the reason ``post_norm``."""
     g = gamma_read(gamma)
@@ -869,9 +933,8 @@ def read_norm(
         tap_out.accumulator.covariance(), g, n_out, null_tol=null_tol, declared_kind=norm.kind
     )
     cov_in = tap_in.accumulator.covariance()
-    schur = schur_quotient(cov_in, g, n_in, declared_kind=norm.kind, placement=placement)
-    depth = direction_depth(cov_in, g, n_in, declared_kind=norm.kind, placement=placement)
-    return NormReport(norm.name, norm.kind, g, kernel, schur, depth, n_out)
+    read = input_reads(cov_in, g, n_in, declared_kind=norm.kind, placement=placement)
+    return NormReport(norm.name, norm.kind, g, kernel, read.schur, read.depth, n_out, read.spectrum)
 
 
 def anchors(layout: ResidualLayout | None) -> bool:

@@ -32,14 +32,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from normscope.functional.covariance import symmetric_eigh
 from normscope.functional.gamma import GammaRead, resolve_gamma, row_count, square_matrix
 from normscope.functional.kernel import DECLARED_KINDS
 from normscope.functional.premise import check_placement, input_read_reason
+from normscope.functional.schur import SchurRead
 
-__all__ = ["DepthRead", "direction_depth", "spectral_depth"]
+__all__ = [
+    "DepthRead",
+    "InputRead",
+    "direction_depth",
+    "input_reads",
+    "rank_one_floor",
+    "secular_bottom",
+    "spectral_depth",
+]
 
 _NAN = math.nan
 LIVE_TOL = 1e-10
@@ -182,23 +192,77 @@ def direction_depth(
         >>> direction_depth(c, gamma, 8, placement="post").reason
         'post_norm'
     """
-    c = square_matrix(input_covariance, "direction_depth", "input_covariance")
+    return input_reads(
+        input_covariance,
+        gamma,
+        n_rows,
+        declared_kind=declared_kind,
+        placement=placement,
+        live_tol=live_tol,
+        control_seed=control_seed,
+        where="direction_depth",
+    ).depth
+
+
+@dataclass(frozen=True)
+class InputRead:
+    """The reads of a norm's input covariance from its one ``eigh``: ``depth`` (a
+    :class:`DepthRead`), ``schur`` (a :class:`~normscope.functional.schur.SchurRead`, no
+    baseline) and ``spectrum``, the ``(eigenvalues, eigenvectors)`` they came from (None when
+    no decomposition was taken: a reason came first), for a caller that reads more from it
+    (:func:`rank_one_floor`)."""
+
+    depth: DepthRead
+    schur: SchurRead
+    spectrum: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def input_reads(
+    input_covariance: torch.Tensor,
+    gamma: torch.Tensor | GammaRead,
+    n_rows: int,
+    *,
+    declared_kind: str | None = None,
+    placement: str = "pre",
+    live_tol: float = LIVE_TOL,
+    control_seed: int = 0,
+    ridge: float = 1e-12,
+    where: str = "input_reads",
+) -> InputRead:
+    """:func:`direction_depth` and the Schur quotient from **one** ``eigh`` of ``C_h``.
+
+    The Schur quotient's forms are sums over the same eigenpairs (``w_i = <u_i, v*>^2``, ridge
+    ``r = ridge * tr(C_h) / d`` as :func:`~normscope.functional.schur.schur_quotient` adds):
+    ``v*^T (C_h + r I)^-1 v* = sum_i w_i / (lambda_i + r)`` and ``v*^T (C_h + r I) v* =
+    sum_i w_i (lambda_i + r)``, so ``R_q`` and ``s`` need no Cholesky factor of their own
+    (equal to ``schur_quotient``'s within rounding, tested). The monitor reads a LayerNorm's
+    input this way: one factorisation per matrix.
+
+    Example::
+
+        >>> import torch
+        >>> c = torch.diag(torch.tensor([1e-3, 1.0, 1.0, 10.0], dtype=torch.float64))
+        >>> read = input_reads(c, torch.ones(4), 8)   # v* = (1, 1, 1, 1) / 2: every w_i 1/4
+        >>> round(read.depth.depth, 12), round(read.schur.schur_quotient, 6)
+        (0.0, 0.00133)
+    """
+    c = square_matrix(input_covariance, where, "input_covariance")
     d = c.shape[0]
-    g = resolve_gamma(gamma, d, "direction_depth")
-    n = row_count(n_rows, "direction_depth")
-    check_placement(placement, "direction_depth")
+    g = resolve_gamma(gamma, d, where)
+    n = row_count(n_rows, where)
+    check_placement(placement, where)
     if declared_kind is not None and declared_kind not in DECLARED_KINDS:
         raise ValueError(
-            f"direction_depth: declared_kind must be None or one of {DECLARED_KINDS}, "
-            f"got {declared_kind!r}"
+            f"{where}: declared_kind must be None or one of {DECLARED_KINDS}, got {declared_kind!r}"
         )
     if not (isinstance(live_tol, (int, float)) and math.isfinite(live_tol) and live_tol >= 0):
-        raise ValueError(
-            f"direction_depth: live_tol must be a finite number >= 0, got {live_tol!r}"
-        )
+        raise ValueError(f"{where}: live_tol must be a finite number >= 0, got {live_tol!r}")
 
-    def empty(reason: str, live: int = 0) -> DepthRead:
-        return DepthRead(_NAN, _NAN, _NAN, _NAN, _NAN, _NAN, live, _NAN, n, reason, d)
+    def empty(reason: str, live: int = 0, schur: SchurRead | None = None, spectrum=None):
+        depth = DepthRead(_NAN, _NAN, _NAN, _NAN, _NAN, _NAN, live, _NAN, n, reason, d)
+        if schur is None:
+            schur = SchurRead(_NAN, _NAN, reason, n, delta_reason=reason)
+        return InputRead(depth, schur, spectrum)
 
     reason = input_read_reason(placement, declared_kind, g.reason, n, c)
     if reason is not None:
@@ -207,23 +271,103 @@ def direction_depth(
         evals, evecs = symmetric_eigh(c)
     except RuntimeError:
         return empty("eigh_failed")
-    top = float(evals[-1])
-    if not top > 0:
-        return empty("zero_covariance")
-    live = evals > live_tol * top
-    m = int(live.sum())
-    lam, u = evals[live], evecs[:, live]
-    v = g.v_star.to(c.device)
-    share = float(((u.T @ v) ** 2).sum())
-    if not share > OUTSIDE_SHARE:  # what is left is rounding: no direction to read
-        return empty("outside_live_space", m)
+    spectrum = (evals, evecs)
+    # Everything after the decomposition is O(d) on the host: the eigenvalues and the squared
+    # projections of v* and of the control's direction, moved in one copy (a handful of device
+    # ops per read, whatever d)
     gen = torch.Generator().manual_seed(int(control_seed))
-    r = torch.randn(d, generator=gen, dtype=torch.float64).to(c.device)
-    both = torch.stack([v, r / torch.linalg.vector_norm(r)], dim=1)
-    depth, control = spectral_depth(lam, u, both).tolist()
-    sd = math.sqrt(2.0 / (m + 2)) * float(torch.log10(lam).std(correction=0))
+    r = torch.randn(d, generator=gen, dtype=torch.float64)
+    v = g.v_star.to(c.device)
+    dirs = torch.stack([v, r.to(c.device)], dim=1)
+    host = torch.cat([evals[:, None], (evecs.mT @ dirs) ** 2], dim=1).cpu().numpy()
+    lam_all, w_v, w_r = host[:, 0], host[:, 1], host[:, 2]
+    top = float(lam_all[-1])
+    if not top > 0:
+        return empty("zero_covariance", spectrum=spectrum)
+    schur = _schur_from_spectrum(lam_all, w_v, n, ridge)
+    live = lam_all > live_tol * top
+    m = int(live.sum())
+    lam = lam_all[live]
+    share = float(w_v[live].sum())
+    if not share > OUTSIDE_SHARE:  # what is left is rounding: no direction to read
+        return empty("outside_live_space", m, schur, spectrum)
+    logs = np.log10(lam)
+    depth, control = (float(logs.mean() - logs @ (w[live] / w[live].sum())) for w in (w_v, w_r))
+    sd = math.sqrt(2.0 / (m + 2)) * float(logs.std())
     z = depth / sd if sd > 0 else 0.0
-    return DepthRead(
+    read = DepthRead(
         depth, 1.0 - 10.0**-depth, control, 1.0 - 10.0**-control, sd, z, m, min(share, 1.0),
         n, None, d,
     )  # fmt: skip
+    return InputRead(read, schur, spectrum)
+
+
+def _schur_from_spectrum(lam: np.ndarray, w: np.ndarray, n: int, ridge: float) -> SchurRead:
+    """``R_q`` and ``s`` of :func:`~normscope.functional.schur.schur_quotient` from the
+    eigenvalues ``lam`` of ``C_h`` and ``w_i = <u_i, v*>^2`` (its ridge, its reasons)."""
+    d = lam.shape[0]
+    trace = float(lam.sum())
+    if not trace > 0:
+        return SchurRead(_NAN, _NAN, "zero_covariance", n, delta_reason="zero_covariance")
+    shift = ridge * trace / d
+    # eigenvalues of a PSD matrix read a few ulps below 0 by rounding: floored as the
+    # dense fallback of schur_quotient floors them
+    floor = max(shift, d * float(np.finfo(np.float64).eps) * float(lam[-1]))
+    inv_form = float((w / np.maximum(lam + shift, floor)).sum())
+    form = float((w * (lam + shift)).sum())
+    r = 1.0 / (inv_form * form) if inv_form > 0 and form > 0 else _NAN
+    if not (math.isfinite(r) and r > 0):
+        return SchurRead(_NAN, _NAN, "solve_failed", n, delta_reason="solve_failed")
+    return SchurRead(min(r, 1.0), (1.0 / inv_form) / (trace / d), None, n)
+
+
+def rank_one_floor(evals: torch.Tensor, evecs: torch.Tensor, vector: torch.Tensor) -> float:
+    """``lambda_min(C + m m^T)`` from ``C``'s eigendecomposition, with no second one: the
+    smallest root of the secular equation ``1 + sum_i z_i^2 / (lambda_i - x) = 0``,
+    ``z = U^T m``, which lies in ``(lambda_1, lambda_2)`` where the function rises from
+    ``-inf`` to ``+inf`` (``lambda_1`` itself when ``z_1 = 0`` or ``lambda_1 = lambda_2``);
+    bisection to the last bit on the host. The second moment of a residual point is
+    ``S = C + mu mu^T``, so its ``sigma_min`` comes from the covariance's ``eigh`` that the
+    norm reading the point already took.
+
+    Example::
+
+        >>> import torch
+        >>> lam, u = torch.linalg.eigh(torch.diag(torch.tensor([1.0, 2.0, 3.0]).double()))
+        >>> rank_one_floor(lam, u, torch.tensor([0.0, 0.0, 1.0]).double())  # [1, 2, 4]
+        1.0
+        >>> m = torch.tensor([1.0, 1.0, 0.0]).double()
+        >>> c = torch.diag(torch.tensor([1.0, 2.0, 3.0]).double())
+        >>> abs(rank_one_floor(lam, u, m) - torch.linalg.eigvalsh(c + torch.outer(m, m))[0].item()) < 1e-14
+        True
+    """
+    both = torch.stack([evals, evecs.mT @ vector.to(evecs)]).cpu().numpy()
+    return secular_bottom(both[0], both[1] ** 2)
+
+
+def secular_bottom(lam: np.ndarray, z2: np.ndarray) -> float:
+    """:func:`rank_one_floor` on the host: ``lambda_min(diag(lam) + z z^T)`` from the ascending
+    eigenvalues ``lam`` and the squared projections ``z2``.
+
+    Example::
+
+        >>> import numpy as np
+        >>> secular_bottom(np.array([1.0, 2.0]), np.array([0.0, 4.0]))
+        1.0
+    """
+    lo = float(lam[0])
+    if lam.shape[0] < 2:
+        return lo + float(z2[0])
+    hi = float(lam[1])
+    if z2[0] == 0.0 or not hi > lo:
+        return lo
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            if not lo < mid < hi:
+                break
+            if 1.0 + float(np.sum(z2 / (lam - mid))) < 0.0:
+                lo = mid
+            else:
+                hi = mid
+    return 0.5 * (lo + hi)
