@@ -29,8 +29,9 @@ their difference):
   ``N``);
 * **mean-step ratio**: ``1 + mean(diff) / mean(none)``, with its standard error;
 * **read-step spike**: the median ``diff`` of the read steps (the sampled forward, its fold
-  and the read; for ``wandb.watch`` its logging steps, found as the residue of the step
-  modulo ``N`` with the highest median) minus that of the other steps, in plain steps; and
+  and the read; for ``wandb.watch`` the steps its hooks logged histograms in, counted; runs
+  saved before that were counted fall back to the residue of the step modulo ``N`` with the
+  highest median) minus that of the other steps, in plain steps; and
   **per-step overhead**, the median ``diff`` of the other steps.
 
 Usage::
@@ -189,8 +190,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_WATCH_LOGS = [0]  # tensors wandb.watch's hooks have logged (counted by _count_watch_logs)
+
+
+def _count_watch_logs() -> Callable[[], None]:
+    """Count wandb.watch's histogram calls, so that its logging steps are known exactly (as
+    the monitor's read steps are); returns the undo."""
+    from wandb.integration.torch import wandb_torch
+
+    orig = wandb_torch.TorchHistory.log_tensor_stats
+
+    def counted(self, tensor, name):
+        _WATCH_LOGS[0] += 1
+        return orig(self, tensor, name)
+
+    wandb_torch.TorchHistory.log_tensor_stats = counted
+    return lambda: setattr(wandb_torch.TorchHistory, "log_tensor_stats", orig)
+
+
 def _one_step(c: Copy, device: torch.device, run: Any) -> None:
     x, y = next(c.batches)
+    logged = _WATCH_LOGS[0]
     _sync(device)
     t0 = time.perf_counter()
     if c.kind == "dd":
@@ -206,6 +226,8 @@ def _one_step(c: Copy, device: torch.device, run: Any) -> None:
         loss.backward()
         c.opt.step()
         c.opt.zero_grad(set_to_none=True)
+        if c.kind == "watch" and _WATCH_LOGS[0] > logged:
+            c.read_steps.add(c.step)  # wandb.watch's histograms ran in this step
     if run is not None:
         # every copy commits one row a step, as the W&B logger users already run does: the
         # baseline includes it, so the comparison charges wandb.watch with its hooks only
@@ -246,6 +268,7 @@ def interleaved(
             mode="offline", dir=run_dir or tempfile.mkdtemp(prefix="normscope-bench-"),
             project="normscope-bench",
         )  # fmt: skip
+        undo = _count_watch_logs()
     copies = []
     for name, kind, every in configs:
         model = copy.deepcopy(base)
@@ -273,6 +296,7 @@ def interleaved(
                 c.monitor.close()
         if run is not None:
             run.finish()
+            undo()
     return [
         {"name": c.name, "kind": c.kind, "every": c.every, "times": c.times,
          "read_steps": sorted(c.read_steps)}
@@ -308,7 +332,9 @@ def summarise_interleaved(
         diff = {i: times[i] - base[i] for i in idx}
         if r["kind"] == "dd":
             hit = [i for i in idx if i in set(r["read_steps"])]
-        elif r["kind"] == "watch":  # its hooks count their own calls: the slowest residue
+        elif r["kind"] == "watch" and r["read_steps"]:  # its logging steps, counted
+            hit = [i for i in idx if i in set(r["read_steps"])]
+        elif r["kind"] == "watch":  # runs saved before they were counted: the slowest residue
             by_residue = {
                 k: statistics.median([diff[i] for i in idx if i % every == k] or [0.0])
                 for k in range(every)

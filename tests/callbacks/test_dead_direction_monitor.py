@@ -71,8 +71,8 @@ def test_fit_logs_dd_keys_on_schedule(tmp_path):
     assert float(last["dd/model.ln_f/gamma_alignment"]) >= 0.9999
     assert float(last["dd/model.ln_f/kernel_residual"]) <= 1e-10
     assert float(last["dd/model.ln_f/null_dim"]) == 1
-    # each read sees one step's rows: 16 sequences x 16 tokens
-    assert float(last["dd/model.ln_f/n_rows"]) == 256
+    # each read folds rows_per_read's default, 8 d = 128 of its step's 16 x 16 = 256 rows
+    assert float(last["dd/model.ln_f/n_rows"]) == 128
     ratio = float(last["dd/sigma_min_ratio_min"])
     assert 0 < ratio < 10
     assert "dd/sigma_min_ratio_min" in trainer.callback_metrics
@@ -120,13 +120,15 @@ def test_healthy_run_raises_no_alert(tmp_path):
 
 
 def test_gradient_accumulation_reads_every_micro_batch(tmp_path):
+    """The three micro-batches of a read's step share its row budget (8 d = 128 at d = 16):
+    ceil(128 / 3) = 43 rows from each, 129 in all, not 128 from each."""
     torch.manual_seed(0)
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
     trainer = fit(tmp_path, LitTiny(), monitor, steps=4, accumulate_grad_batches=3)
     reads = rows_with(read_csv(trainer), "dd/sigma_min_ratio_min")
     # step 0 (all three micro-batches) is discovery's; the baseline is step 1's window
     assert [int(r["step"]) for r in reads] == [2, 4]
-    assert float(reads[-1]["dd/model.ln_f/n_rows"]) == 3 * 256
+    assert float(reads[-1]["dd/model.ln_f/n_rows"]) == 3 * 43
 
 
 def test_bf16_autocast_on_cpu(tmp_path):

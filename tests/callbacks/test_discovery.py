@@ -209,7 +209,7 @@ def test_module_without_forward_gets_a_profile(tmp_path):
     assert [int(r["step"]) for r in rows] == [2, 4, 6]
     assert {float(r["dd/profile_points"]) for r in rows} == {5.0}
     assert all(math.isfinite(float(r["dd/sigma_min_ratio_min"])) for r in rows)
-    assert float(rows[-1]["dd/h.1.ln_2/n_rows"]) == 256
+    assert float(rows[-1]["dd/h.1.ln_2/n_rows"]) == 128  # rows_per_read's default, 8 d
     # discovery's temporary hooks are gone; the taps went with teardown
     assert not any(
         m._forward_hooks or m._forward_pre_hooks for m in monitor.tracker.model.modules()

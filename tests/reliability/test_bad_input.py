@@ -43,7 +43,7 @@ def test_nan_and_inf_rows_are_dropped_counted_and_the_rest_read_exactly(tmp_path
     drops their 3 x 16 rows, ``dd/rows_rejected`` counts them, the other 208 rows give the
     exact LayerNorm kernel; the step is skipped by the model's own guard."""
     torch.manual_seed(0)
-    monitor = DeadDirectionMonitor(every_n_steps=3, verbose=False)
+    monitor = DeadDirectionMonitor(every_n_steps=3, verbose=False, rows_per_read="all")
     loader = corrupt_feature_loader(bad_batch=2, bad_rows={0: math.nan, 5: math.inf, 9: -math.inf})
     with recorded_warnings() as records:
         trainer = fit(tmp_path, FeatureLM(), [monitor], steps=6, loader=loader)
@@ -74,7 +74,7 @@ def test_padding_only_batches_add_no_rows_and_a_padding_only_window_waits(tmp_pa
     window of step 3 is all padding: no read of zero rows, the window stays open one more step
     and reads step 4's rows instead. Padding is never counted as rejected."""
     torch.manual_seed(0)
-    monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
+    monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False, rows_per_read="all")
     loader = padded_dict_loader(padding_only_batches=[2, 6, 7])
     with recorded_warnings() as records:
         trainer = fit(
@@ -95,7 +95,9 @@ def test_many_steps_with_fewer_rows_than_d_read_nan_with_a_reason_and_never_aler
     steps, then read with its 24 rows (< 2 d): NaN, reason insufficient_rows, no alert."""
     torch.manual_seed(0)
     caught = []
-    monitor = DeadDirectionMonitor(every_n_steps=2, alerts=(caught.append,), verbose=False)
+    monitor = DeadDirectionMonitor(
+        every_n_steps=2, alerts=(caught.append,), verbose=False, rows_per_read="all"
+    )
     loader = token_loader(n=64, t=8, batch_size=1)
     with recorded_warnings() as records:
         trainer = fit(tmp_path, LitTiny(), [monitor], steps=12, loader=loader)
@@ -155,7 +157,11 @@ def test_a_diverged_run_with_nan_gammas_alerts_once_and_the_monitor_stays_alive(
     caught = []
     # a separate discovery forward keeps step 0 (finite weights but ln_f) in the first window
     monitor = DeadDirectionMonitor(
-        every_n_steps=2, alerts=(caught.append,), verbose=False, example_forward=call_model
+        every_n_steps=2,
+        alerts=(caught.append,),
+        verbose=False,
+        example_forward=call_model,
+        rows_per_read="all",
     )
     with recorded_warnings() as records:
         trainer = fit(tmp_path, module, [monitor], steps=8)
@@ -236,7 +242,9 @@ def test_huge_activations_read_like_a_float64_numpy_reference(tmp_path, scale, o
 
         handles.append(norm.register_forward_hook(capture))
     # a separate discovery forward: one window, step 0's forward, read at step 1
-    monitor = DeadDirectionMonitor(every_n_steps=100, verbose=False, example_forward=call_model)
+    monitor = DeadDirectionMonitor(
+        every_n_steps=100, verbose=False, example_forward=call_model, rows_per_read="all"
+    )
     fit(tmp_path, module, [monitor], steps=1)
     for h in handles:
         h.remove()

@@ -78,7 +78,9 @@ def kill_and_resume(tmp_path: Path, make_monitor, ckpt: str, norm: str = "layern
 @pytest.mark.parametrize("ckpt", ["exception", "periodic"])
 def test_dead_direction_monitor_resumes_a_run_killed_mid_window(tmp_path, ckpt):
     first, second, saved, trainer = kill_and_resume(
-        tmp_path, lambda: DeadDirectionMonitor(every_n_steps=2, verbose=False), ckpt
+        tmp_path,
+        lambda: DeadDirectionMonitor(every_n_steps=2, verbose=False, rows_per_read="all"),
+        ckpt,
     )
     start = saved["global_step"]
     assert start == (3 if ckpt == "exception" else 2)

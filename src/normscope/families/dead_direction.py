@@ -149,7 +149,8 @@ class DeadDirectionTracker:
             width), an int that many, ``"all"`` every row. The budget is shared by the
             window's forwards (:meth:`share_rows`: gradient-accumulation micro-batches and
             ranks, each folding ``ceil(budget / forwards)`` rows of every forward; a tracker
-            driven by hand folds the whole budget from each forward).
+            driven by hand folds the whole budget from each forward). With ``sources=`` the
+            default is ``8 d`` per tracked source (``max_sources``).
         max_memory: byte budget for every accumulator (``8 d^2`` per tapped tensor: a norm's
             input and output, each residual point; a point that is a norm's input is shared).
             Over it (checked at :meth:`attach`, once the points are known), the residual profile
@@ -321,8 +322,13 @@ class DeadDirectionTracker:
             self._apply_rows()
 
     def rows_per_forward(self, dim: int) -> int | None:
-        """Rows a tap of width ``dim`` keeps per forward (None: all)."""
+        """Rows a tap of width ``dim`` keeps per forward (None: all). With ``sources=`` the
+        default budget is ``8 d`` per tracked source (``max_sources`` of them): each source's
+        own profile needs its ``4 d`` rows to decide, and a minority source gets only its
+        share of a pooled ``8 d``."""
         budget = rows_budget(self.rows_per_read, dim)
+        if budget is not None and self.rows_per_read is None and self.sources is not None:
+            budget *= self.max_sources
         return None if budget is None else -(-budget // self.forwards_per_read)
 
     def _apply_rows(self) -> None:
