@@ -1078,7 +1078,11 @@ def finish_report(
     elif window.profile_on and window.layout is not None and window.point_taps:
         profile = profile_from_parts(
             window.layout.points,
-            [merged.sigmas[k] for k in range(len(window.point_taps))],
+            # a point whose job met a failure before it was read: NaN, said (never a KeyError)
+            [
+                merged.sigmas.get(k, (math.nan, "not_read", 0))
+                for k in range(len(window.point_taps))
+            ],
             [t.accumulator.count for t in window.point_taps],
             [t.dim for t in window.point_taps],
         )
