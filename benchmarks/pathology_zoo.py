@@ -991,7 +991,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 args.norms.split(",") if args.norms else None,
             )
         )
-        with open(out, "w") as fh:
+        opener = gzip.open if str(out).endswith(".gz") else open
+        with opener(out, "wt") as fh:
             for i, (p, arm, norm, seed, steps) in enumerate(todo, 1):
                 recs = run_one(p, arm, norm, seed, steps, data)
                 fh.writelines(json.dumps(r) + "\n" for r in recs)

@@ -154,9 +154,10 @@ def fit_exact(out: Path, async_reads: bool = False) -> dict[str, Any]:
 
 
 def _jobs(tracker: DeadDirectionTracker) -> int:
-    """The jobs of one whole read: norm layers, residual points, margins (no sources here)."""
+    """The jobs of one whole read: norm layers, residual points, margins (no sources here) and
+    the one stream job."""
     points = len(tracker.point_taps)
-    return len(tracker.norms) + points + max(points - 1, 0)
+    return len(tracker.norms) + points + max(points - 1, 0) + 1  # + the stream job
 
 
 def fit_exact_async(out: Path) -> dict[str, Any]:
