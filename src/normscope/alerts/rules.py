@@ -15,8 +15,11 @@ __all__ = [
     "CLASS_CODE",
     "CallableRule",
     "Collapse",
+    "GainDriftRule",
     "KernelLossRule",
     "OutlierRule",
+    "RepresentationCollapseRule",
+    "ScaleGrowthRule",
     "SigmaMinRatioRule",
     "SignChurnSpikeRule",
     "SourceCollapseRule",
@@ -25,6 +28,7 @@ __all__ = [
     "collapse_keys",
     "default_dead_direction_rules",
     "source_reads",
+    "spread_bounds",
 ]
 
 
@@ -333,9 +337,14 @@ class SigmaMinRatioRule:
         min_rows_per_dim: float = 4.0,
         drop: float | None = 0.6,
         drop_below: float = 0.85,
+        ratio_patience: int = 1,
+        one_per_episode: bool = False,
     ) -> None:
-        if patience < 1:
-            raise ValueError(f"SigmaMinRatioRule: patience must be >= 1, got {patience}")
+        if patience < 1 or ratio_patience < 1:
+            raise ValueError(
+                f"SigmaMinRatioRule: patience and ratio_patience must be >= 1, got {patience}, "
+                f"{ratio_patience}"
+            )
         if tolerance < 0 or warmup_reads < 0:
             raise ValueError("SigmaMinRatioRule: tolerance and warmup_reads must be >= 0")
         if not watch or any(w not in ("ratio", "step") for w in watch):
@@ -351,6 +360,9 @@ class SigmaMinRatioRule:
             raise ValueError(f"SigmaMinRatioRule: drop must be in (0, 1) or None, got {drop}")
         self.drop = drop
         self.drop_below = float(drop_below)
+        self.ratio_patience = int(ratio_patience)
+        self.one_per_episode = bool(one_per_episode)
+        self.in_episode = False  # an alert fired and some point has stayed below since
         self.previous_step: dict[str, float] = {}  # each point's step ratio at the last read
         self.alert_below = alert_below
         self.tolerance = tolerance
@@ -474,6 +486,7 @@ class SigmaMinRatioRule:
         alerts: list[Alert] = []
         self.undecided = {}
         previous, self.previous_step = self.previous_step, {}
+        any_below = False
         for point in order:
             values = points[point]
             below, metric, value = self.decide(values)
@@ -500,15 +513,23 @@ class SigmaMinRatioRule:
                 if not self.step_below(values):
                     below = False  # only downstream of a collapse already counted
             upstream_collapse = upstream_collapse or bool(below)
+            any_below = any_below or bool(below)
             self.below[point] = self.below.get(point, 0) + 1 if below else 0
+            # A fall on the cumulative ratio alone (no step of its own under the line, no
+            # sudden drop) waits ratio_patience reads: spread over many sublayers, it is what
+            # healthy early training does for a read or two (docs/alerts.md).
+            need = self.patience
+            if below and metric == "sigma_min_ratio" and not sudden:
+                need = max(self.patience, self.ratio_patience)
             # Fire once when patience is reached, not on every read after; a collapse that
             # began during the warm-up and still holds fires at the first read after it.
             first_after_warmup = self.reads == self.warmup_reads + 1
             if self.reads <= self.warmup_reads or not (
-                self.below[point] == self.patience
-                or (first_after_warmup and self.below[point] > self.patience)
+                self.below[point] == need or (first_after_warmup and self.below[point] > need)
             ):
                 continue
+            if self.one_per_episode and (self.in_episode or alerts):
+                continue  # the episode's alert is out: not one per point it moves through
             sub = self.sublayers.get(point)
             ratio = values.get("sigma_min_ratio", math.nan)
             step_ratio = values.get("sigma_min_step", math.nan)
@@ -538,6 +559,9 @@ class SigmaMinRatioRule:
                     sublayer=sub,
                 )
             )
+        # the episode ends at the first read with no point below (one that cannot decide ends
+        # it too: a collapse that holds reads below again, and fires again)
+        self.in_episode = bool(alerts or self.in_episode) and any_below
         return alerts
 
     def state_dict(self) -> dict[str, Any]:
@@ -545,9 +569,11 @@ class SigmaMinRatioRule:
             "reads": self.reads,
             "below": dict(self.below),
             "previous_step": dict(self.previous_step),
+            "in_episode": self.in_episode,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.in_episode = bool(state.get("in_episode", False))
         self.reads = int(state.get("reads", 0))
         self.below = {str(k): int(v) for k, v in state.get("below", {}).items()}
         self.previous_step = {str(k): float(v) for k, v in state.get("previous_step", {}).items()}
@@ -914,6 +940,287 @@ class NonFiniteRule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.firing = bool(state.get("firing", False))
+
+
+# ============================================================================
+# The stream rules (docs/metrics.md §1.6, docs/alerts.md): collapse onto one shared vector, the
+# norm gains' drift, a stream's scale running away. Each reads run-level ``dd/`` keys, so one
+# episode is one alert whatever points it moves between; it re-arms after a read that decides
+# "no" (a read that cannot decide, NaN, neither fires nor re-arms).
+# ============================================================================
+
+
+class _EpisodeRule:
+    """Fires once when :meth:`check` says True; re-arms after a read where it says False."""
+
+    name = "episode"
+
+    def __init__(self) -> None:
+        self.firing = False
+
+    def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
+        raise NotImplementedError
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
+        self.step = step
+        hit, alert = self.check(metrics)
+        if hit is None:
+            return []
+        if not hit:
+            self.firing = False
+            return []
+        if self.firing or alert is None:
+            return []
+        self.firing = True
+        return [alert]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"firing": self.firing}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.firing = bool(state.get("firing", False))
+
+
+def _final_norm(metrics: Mapping[str, float]) -> str | None:
+    """The final norm's path: the one norm whose output RankMe is logged."""
+    for key in metrics:
+        if key.startswith("dd/") and key.endswith("/rankme"):
+            return key[len("dd/") : -len("/rankme")]
+    return None
+
+
+def spread_bounds(spread: float, n_rows: float, z: float = 3.0) -> tuple[float, float]:
+    """The interval of a spread share ``1 - offset_share`` read from ``n_rows`` rows:
+    ``[spread / slack, spread * slack]``, ``slack = exp(z sqrt(2 / N))``. The spread is ``tr C``
+    over ``E||x||^2``, a ratio of means of ``N`` rows; ``sqrt(2 / N)`` bounds the relative
+    standard error of ``tr C`` for Gaussian rows (``sqrt(2 tr C^2 / N) / tr C``, largest for a
+    rank-one ``C``). ``(nan, nan)`` without rows.
+
+    Example::
+
+        >>> lo, hi = spread_bounds(0.006, 1024)
+        >>> round(lo, 5), round(hi, 5)
+        (0.00527, 0.00683)
+    """
+    if not (math.isfinite(spread) and n_rows > 0):
+        return math.nan, math.nan
+    slack = math.exp(z * math.sqrt(2.0 / n_rows))
+    return spread / slack, spread * slack
+
+
+class RepresentationCollapseRule(_EpisodeRule):
+    """Representation collapse onto one shared vector: the final norm's output rows share one
+    vector up to less than ``1 - alert_above`` of their energy (``dd/final_out_offset_share``
+    above ``alert_above``; the last residual point's ``dd/final_offset_share`` where no final
+    norm is read), with confidence from the rows: the spread share's interval
+    (:func:`spread_bounds`, from the final norm's ``n_rows``) must lie under ``1 -
+    alert_above``. A network that satisfies its loss by piling one vector onto every token
+    (self-supervised collapse), a stack without skips whose tokens converge (rank collapse) and
+    a diverging run all take it above 0.999; healthy models, language models early in training
+    included, stayed under it on the zoo (docs/alerts.md has the figures and the seeds).
+
+    Example::
+
+        >>> rule = RepresentationCollapseRule()
+        >>> m = {"dd/ln_f/rankme": 2.4, "dd/ln_f/n_rows": 1024.0,
+        ...      "dd/final_out_offset_share": 0.998, "dd/final_rankme": 2.4}
+        >>> [a.rule for a in rule.evaluate(m, 20)]
+        ['representation_collapse']
+        >>> rule.evaluate({**m, "dd/final_out_offset_share": 0.995}, 30)  # same episode
+        []
+    """
+
+    name = "representation_collapse"
+
+    def __init__(self, alert_above: float = 0.99, z: float = 3.0, min_rows: int = 32) -> None:
+        super().__init__()
+        if not 0 < alert_above < 1:
+            raise ValueError(
+                f"RepresentationCollapseRule: alert_above must be in (0, 1), got {alert_above}"
+            )
+        self.alert_above = float(alert_above)
+        self.z = float(z)
+        self.min_rows = int(min_rows)
+
+    def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
+        key = "dd/final_out_offset_share"
+        share = metrics.get(key, math.nan)
+        final = _final_norm(metrics)
+        rows = metrics.get(f"dd/{final}/n_rows", math.nan) if final else math.nan
+        if not math.isfinite(share):  # no final norm read: the last residual point's rows
+            key = "dd/final_offset_share"
+            share, rows = metrics.get(key, math.nan), math.nan
+        if not math.isfinite(share):
+            return None, None
+        spread = 1.0 - share
+        if math.isfinite(rows):
+            if rows < self.min_rows:
+                return None, None
+            _, hi = spread_bounds(spread, rows, self.z)
+        else:  # a log without the row count: the share itself decides
+            hi = spread
+        limit = 1.0 - self.alert_above
+        if spread >= limit:
+            return False, None
+        if hi >= limit:
+            return None, None  # above the line, but the rows cannot tell it from the line
+        rankme = metrics.get("dd/final_rankme", math.nan)
+        where = "the final norm's output" if key.endswith("out_offset_share") else "final stream"
+        rows_text = f" from {rows:.0f} rows (at most {hi:.2%})" if math.isfinite(rows) else ""
+        return True, Alert(
+            self.name,
+            key,
+            self.step,
+            float(share),
+            self.alert_above,
+            f"representation collapse at step {self.step}: the rows of {where} are one shared "
+            f"vector up to {spread:.2%} of their energy{rows_text} (offset share {share:.4f} > "
+            f"{self.alert_above:g}; RankMe {rankme:.3g})",
+            point=final,
+        )
+
+
+class GainDriftRule(_EpisodeRule):
+    """Norm gains drifting away from their first read: the median ``|gamma|`` of some norm
+    layer under ``scale_below`` x its first read's (``dd/gamma_scale_min``: weight decay on the
+    gains, a uniform shrink every scale-free read misses), over ``scale_above`` x it
+    (``dd/gamma_scale_max``), or more than ``crossed_above`` of some layer's gains with their
+    sign flipped since the first read (``dd/gamma_crossed_max``: a learning rate too high
+    throws gains across zero). Parameters, read exactly: no row count, no interval.
+
+    Example::
+
+        >>> rule = GainDriftRule()
+        >>> [a.key for a in rule.evaluate({"dd/gamma_scale_min": 0.3}, 40)]
+        ['dd/gamma_scale_min']
+        >>> rule.evaluate({"dd/gamma_scale_min": 0.2, "dd/gamma_crossed_max": 0.5}, 50)
+        []
+    """
+
+    name = "norm_gain_drift"
+
+    def __init__(
+        self,
+        scale_below: float = 0.5,
+        scale_above: float | None = 10.0,
+        crossed_above: float = 0.05,
+    ) -> None:
+        super().__init__()
+        if not 0 < scale_below < 1 or not 0 <= crossed_above < 1:
+            raise ValueError(
+                "GainDriftRule: scale_below must be in (0, 1) and crossed_above in [0, 1), got "
+                f"{scale_below}, {crossed_above}"
+            )
+        if scale_above is not None and not scale_above > 1:
+            raise ValueError(f"GainDriftRule: scale_above must be > 1 or None, got {scale_above}")
+        self.scale_below = float(scale_below)
+        self.scale_above = scale_above
+        self.crossed_above = float(crossed_above)
+
+    def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
+        low = metrics.get("dd/gamma_scale_min", math.nan)
+        high = metrics.get("dd/gamma_scale_max", math.nan)
+        crossed = metrics.get("dd/gamma_crossed_max", math.nan)
+        if not any(math.isfinite(v) for v in (low, high, crossed)):
+            return None, None
+        found: list[tuple[str, float, float, str]] = []
+        if math.isfinite(crossed) and crossed > self.crossed_above:
+            found.append(
+                (
+                    "dd/gamma_crossed_max",
+                    crossed,
+                    self.crossed_above,
+                    f"{crossed:.0%} of a layer's gains changed sign since the first read",
+                )
+            )
+        if math.isfinite(low) and low < self.scale_below:
+            found.append(
+                (
+                    "dd/gamma_scale_min",
+                    low,
+                    self.scale_below,
+                    f"a layer's median |gain| fell to {low:.3g} x its first read",
+                )
+            )
+        if self.scale_above is not None and math.isfinite(high) and high > self.scale_above:
+            found.append(
+                (
+                    "dd/gamma_scale_max",
+                    high,
+                    self.scale_above,
+                    f"a layer's median |gain| grew to {high:.3g} x its first read",
+                )
+            )
+        if not found:
+            return False, None
+        key, value, threshold, what = found[0]
+        layer = _extreme_layer(metrics, key.rsplit("/", 1)[1].rsplit("_", 1)[0], key)
+        also = "; ".join(f[3] for f in found[1:])
+        return True, Alert(
+            self.name,
+            key,
+            self.step,
+            float(value),
+            float(threshold),
+            f"norm gains drifted at step {self.step}: {what}"
+            + (f" ({layer})" if layer else "")
+            + (f"; {also}" if also else ""),
+            point=layer,
+        )
+
+
+def _extreme_layer(metrics: Mapping[str, float], metric: str, summary: str) -> str | None:
+    """The layer or point whose per-layer ``metric`` gave the run-level ``summary`` key."""
+    target = metrics.get(summary, math.nan)
+    for key, value in metrics.items():
+        if key.startswith("dd/") and key.endswith(f"/{metric}") and value == target:
+            return key[len("dd/") : -len(f"/{metric}")]
+    return None
+
+
+class ScaleGrowthRule(_EpisodeRule):
+    """A stream's scale running away: some residual point's RMS more than ``max_growth`` x its
+    previous read (``dd/rms_growth_max``). The RMS of ``N`` rows is a mean of ``N d`` squares,
+    so its sampling error is far below the factor (no interval). The growth is per read, so
+    its meaning scales with ``every_n_steps``: healthy runs grow up to about 7x between the
+    first two reads of the zoo (steps 1 and 9), then under 2.5x a read.
+
+    Example::
+
+        >>> rule = ScaleGrowthRule()
+        >>> [a.rule for a in rule.evaluate({"dd/rms_growth_max": 1800.0, "dd/h.1/rms_growth":
+        ...                                 1800.0}, 10)]
+        ['stream_scale_growth']
+        >>> rule.evaluate({"dd/rms_growth_max": 1.1}, 20), rule.firing
+        ([], False)
+    """
+
+    name = "stream_scale_growth"
+
+    def __init__(self, max_growth: float = 20.0) -> None:
+        super().__init__()
+        if not max_growth > 1:
+            raise ValueError(f"ScaleGrowthRule: max_growth must be > 1, got {max_growth}")
+        self.max_growth = float(max_growth)
+
+    def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
+        growth = metrics.get("dd/rms_growth_max", math.nan)
+        if not math.isfinite(growth):
+            return None, None
+        if growth <= self.max_growth:
+            return False, None
+        point = _extreme_layer(metrics, "rms_growth", "dd/rms_growth_max")
+        return True, Alert(
+            self.name,
+            "dd/rms_growth_max",
+            self.step,
+            float(growth),
+            self.max_growth,
+            f"the residual stream's scale ran away at step {self.step}: the RMS at "
+            f"{point or 'a point'} grew {growth:.3g}x since the previous read (> "
+            f"{self.max_growth:g}x)",
+            point=point,
+        )
 
 
 def default_dead_direction_rules(

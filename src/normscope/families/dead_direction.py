@@ -274,6 +274,18 @@ class DeadDirectionTracker:
         if self.sources is not None and self.split is None:
             self._sources_off("the residual profile is not read (no residual points)")
         self.attached = True
+        self.snapshot_gain_baselines()
+
+    def snapshot_gain_baselines(self) -> None:
+        """Keep each norm's gamma as the gain drift's baseline (docs/metrics.md §1.6), once:
+        a monitor's first batch, before its update (a gain the first step throws across zero
+        is seen by the first read), else :meth:`attach`."""
+        for norm in self.norms:
+            if norm.name not in self.gain_baselines:
+                try:
+                    self.gain_baselines[norm.name] = norm.gamma()
+                except Exception:  # noqa: BLE001 - the first read sets it instead
+                    continue
 
     # --------------------------------------------------------------- sources
     def label(self, batch: Any) -> SourceLabels | None:
@@ -882,7 +894,7 @@ def stream_keys(
         gamma = window.gammas.get(norm.name)
         if not isinstance(gamma, torch.Tensor) or gamma.ndim != 1 or gamma.numel() == 0:
             continue
-        base = tracker.gain_baselines.setdefault(
+        base = tracker.gain_baselines.setdefault(  # set at attach; else by this first read
             norm.name, gamma.detach().to(torch.float64).clone()
         )
         if base.shape != gamma.shape:
@@ -1235,6 +1247,7 @@ class DeadDirectionFamily:
         ``example_forward`` or on a compiled model -- attach now with a forward of the
         family's own. Returns ``(discovering, compiled)``."""
         assert self.tracker is not None
+        self.tracker.snapshot_gain_baselines()  # the gains before the first step's update
         is_compiled = compiled(model)
         if self.tracker.residual and self.example_forward is None and not is_compiled:
             try:
