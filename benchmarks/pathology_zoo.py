@@ -44,8 +44,8 @@ the monitor logged at that read, the ground truth at that read's step, the alert
 monitor fired there) and one ``{"type": "run"}`` line per run (the whole per-step ground truth,
 the monitor's rule layout, its ``alerts_fired``, wall time). ``--judge`` replays the reads
 through a rule set from ``RULE_SETS`` (``today``: what ``DeadDirectionMonitor`` runs, rebuilt by
-``normscope.alerts.default_dead_direction_rules``; ``sigma_min``: ``SigmaMinRatioRule()`` on
-every run) and prints the zoo table and the keys that separate each pathology from its twin.
+``normscope.alerts.default_dead_direction_rules``; ``before``: its rules before issue 32's
+stream rules and sigma_min episodes; ``sigma_min``: ``SigmaMinRatioRule()`` on every run) and prints the zoo table and the keys that separate each pathology from its twin.
 A new rule set: ``@register_rule_set("name")`` on ``fn(run meta) -> [rules]`` (each with
 ``evaluate(metrics, step) -> [Alert]``), here or in a ``--plugin`` file, whose code runs with
 ``register_rule_set`` in scope; the meta holds the monitor's ``kinds`` and ``sublayers``.
@@ -576,6 +576,16 @@ def register_rule_set(name: str):
 def _today(meta: Mapping[str, Any]) -> list[Any]:
     """What ``DeadDirectionMonitor()`` runs: sigma_min (none on a post-norm model) and kernel."""
     return default_dead_direction_rules(meta["kinds"], meta["sublayers"])
+
+
+@register_rule_set("before")
+def _before(meta: Mapping[str, Any]) -> list[Any]:
+    """The monitor's rules before issue 32's: ``sigma_min`` on both ratios, one alert per point
+    (no episodes), the kernel rule and the non-finite rule; no stream rules."""
+    sigma = SigmaMinRatioRule(watch=("ratio", "step"), one_per_episode=False)
+    return default_dead_direction_rules(
+        meta["kinds"], meta["sublayers"], sigma_rule=sigma, stream=False
+    )
 
 
 @register_rule_set("sigma_min")

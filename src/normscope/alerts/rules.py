@@ -271,10 +271,18 @@ class SigmaMinRatioRule:
 
     docs/metrics.md §1.4: with identity skips and no cancellation ``sigma_min`` cannot fall with
     depth, so both the cumulative ratio ``sigma_min(p_k) / sigma_min(p_0)`` and the step ratio
-    ``sigma_min(p_k) / sigma_min(p_{k-1})`` stay >= 1. The rule watches both (``watch``): the
-    step ratio localises a collapse even where ``p_0`` (an embedding) is so narrow that the
-    cumulative ratio stays far above 1 -- in the demo a cancelling MLP branch takes the step at
-    its sublayer to 0.39 while every cumulative ratio stays above 3.
+    ``sigma_min(p_k) / sigma_min(p_{k-1})`` stay >= 1. By default the rule watches the step
+    ratio (``watch``): the premise is one sublayer's, and the step localises a collapse even
+    where ``p_0`` (an embedding) is so narrow that the cumulative ratio stays far above 1 -- in
+    the demo a cancelling MLP branch takes the step at its sublayer to 0.39 while every
+    cumulative ratio stays above 3. The cumulative ratio is the product of the steps: judged
+    against the same floor it counts several healthy dips, none under the floor, as one
+    collapse (measured: 22 false alarms on the zoo's healthy contrastive twins, cumulative
+    ratios 0.36-0.47 at step 9 from steps of 0.55-0.9 each; docs/alerts.md). Watch it with
+    ``watch=("ratio", "step")``, and ``ratio_patience`` to make a fall on it alone persist.
+
+    **One alert per episode** (``one_per_episode``): after an alert, no other point raises one
+    until a read has no point below; a collapse that moves between points is one alert.
 
     **Rows.** A ratio read from ``N`` rows in ``d`` dimensions is biased low and noisy when
     ``N / d`` is small (Marchenko–Pastur), so a point counts as *below* only when the upper end
@@ -305,12 +313,16 @@ class SigmaMinRatioRule:
         tolerance: how far below ``alert_below`` a ratio may dip before it counts.
         patience: consecutive reads below the threshold before the alert fires.
         warmup_reads: the first reads of a run, which never alert.
-        watch: which ratios to check: ``("ratio", "step")`` (default), or one of them.
+        watch: which ratios to check: ``("step",)`` (default), ``("ratio", "step")`` or
+            ``("ratio",)``.
         min_rows_per_dim: the least ``N / d`` a read needs to decide (the monitor keeps a
             window open until it has that many rows, at most ``every_n_steps`` steps more).
         drop: a step ratio under this share of the point's previous step ratio is a sudden
             drop, judged against ``drop_below`` instead of the threshold; None: off.
         drop_below: the floor for a sudden drop (``>=`` the threshold).
+        ratio_patience: consecutive reads a point must stay below on the cumulative ratio alone
+            (its step not below, no sudden drop) before it fires (with ``"ratio"`` watched).
+        one_per_episode: one alert per collapse episode across points (see above).
 
     Example::
 
@@ -333,12 +345,12 @@ class SigmaMinRatioRule:
         tolerance: float = 0.4,
         patience: int = 1,
         warmup_reads: int = 0,
-        watch: Sequence[str] = ("ratio", "step"),
+        watch: Sequence[str] = ("step",),
         min_rows_per_dim: float = 4.0,
         drop: float | None = 0.6,
         drop_below: float = 0.85,
         ratio_patience: int = 1,
-        one_per_episode: bool = False,
+        one_per_episode: bool = True,
     ) -> None:
         if patience < 1 or ratio_patience < 1:
             raise ValueError(
@@ -1000,7 +1012,7 @@ def spread_bounds(spread: float, n_rows: float, z: float = 3.0) -> tuple[float, 
 
         >>> lo, hi = spread_bounds(0.006, 1024)
         >>> round(lo, 5), round(hi, 5)
-        (0.00527, 0.00683)
+        (0.00525, 0.00685)
     """
     if not (math.isfinite(spread) and n_rows > 0):
         return math.nan, math.nan
@@ -1009,36 +1021,56 @@ def spread_bounds(spread: float, n_rows: float, z: float = 3.0) -> tuple[float, 
 
 
 class RepresentationCollapseRule(_EpisodeRule):
-    """Representation collapse onto one shared vector: the final norm's output rows share one
-    vector up to less than ``1 - alert_above`` of their energy (``dd/final_out_offset_share``
-    above ``alert_above``; the last residual point's ``dd/final_offset_share`` where no final
-    norm is read), with confidence from the rows: the spread share's interval
-    (:func:`spread_bounds`, from the final norm's ``n_rows``) must lie under ``1 -
-    alert_above``. A network that satisfies its loss by piling one vector onto every token
-    (self-supervised collapse), a stack without skips whose tokens converge (rank collapse) and
-    a diverging run all take it above 0.999; healthy models, language models early in training
-    included, stayed under it on the zoo (docs/alerts.md has the figures and the seeds).
+    """Complete representation collapse: every row of the final norm's output is one shared
+    vector, and what is left varies in no particular direction.
+
+    Two reads of the final norm's output (docs/metrics.md §1.6) decide together:
+
+    * the offset share ``dd/final_out_offset_share`` above ``alert_above`` (the rows are one
+      vector up to less than ``1 - alert_above`` of their energy), with confidence from the
+      rows: the spread share's interval (:func:`spread_bounds`, from the final norm's
+      ``n_rows``) must lie under ``1 - alert_above``;
+    * the spread about that vector is not concentrated: its RankMe (``dd/final_rankme_centred``)
+      at least ``min_spread_rank`` x the width ``d``. A network that maps every input to one
+      point keeps only unstructured variation (self-supervised collapse without its
+      stop-gradient: centred RankMe 48-52 of 64 on the zoo); a healthy run can pile a large
+      shared vector onto its stream for a while (the zoo's high-learning-rate twin at lr 0.03:
+      offset share 0.9999 at steps 9-59, then recovering) but what varies then varies along a
+      few learned directions (centred RankMe 5-17 of 64).
+
+    Without the final norm's reads (``layers=`` without it, a budget that left it out) the rule
+    does not decide. Thresholds and the seeds they were chosen on: docs/alerts.md.
 
     Example::
 
         >>> rule = RepresentationCollapseRule()
-        >>> m = {"dd/ln_f/rankme": 2.4, "dd/ln_f/n_rows": 1024.0,
-        ...      "dd/final_out_offset_share": 0.998, "dd/final_rankme": 2.4}
+        >>> m = {"dd/ln_f/rankme": 2.4, "dd/ln_f/n_rows": 1024.0, "dd/final_rows_per_dim": 16.0,
+        ...      "dd/final_out_offset_share": 0.998, "dd/final_rankme_centred": 50.0}
         >>> [a.rule for a in rule.evaluate(m, 20)]
         ['representation_collapse']
         >>> rule.evaluate({**m, "dd/final_out_offset_share": 0.995}, 30)  # same episode
+        []
+        >>> RepresentationCollapseRule().evaluate({**m, "dd/final_rankme_centred": 9.0}, 20)
         []
     """
 
     name = "representation_collapse"
 
-    def __init__(self, alert_above: float = 0.99, z: float = 3.0, min_rows: int = 32) -> None:
+    def __init__(
+        self,
+        alert_above: float = 0.99,
+        min_spread_rank: float = 0.5,
+        z: float = 3.0,
+        min_rows: int = 32,
+    ) -> None:
         super().__init__()
-        if not 0 < alert_above < 1:
+        if not 0 < alert_above < 1 or not 0 <= min_spread_rank <= 1:
             raise ValueError(
-                f"RepresentationCollapseRule: alert_above must be in (0, 1), got {alert_above}"
+                "RepresentationCollapseRule: alert_above must be in (0, 1) and min_spread_rank "
+                f"in [0, 1], got {alert_above}, {min_spread_rank}"
             )
         self.alert_above = float(alert_above)
+        self.min_spread_rank = float(min_spread_rank)
         self.z = float(z)
         self.min_rows = int(min_rows)
 
@@ -1047,35 +1079,33 @@ class RepresentationCollapseRule(_EpisodeRule):
         share = metrics.get(key, math.nan)
         final = _final_norm(metrics)
         rows = metrics.get(f"dd/{final}/n_rows", math.nan) if final else math.nan
-        if not math.isfinite(share):  # no final norm read: the last residual point's rows
-            key = "dd/final_offset_share"
-            share, rows = metrics.get(key, math.nan), math.nan
-        if not math.isfinite(share):
+        per_dim = metrics.get("dd/final_rows_per_dim", math.nan)
+        spread_rank = metrics.get("dd/final_rankme_centred", math.nan)
+        if not (math.isfinite(share) and math.isfinite(rows) and rows >= self.min_rows):
             return None, None
         spread = 1.0 - share
-        if math.isfinite(rows):
-            if rows < self.min_rows:
-                return None, None
-            _, hi = spread_bounds(spread, rows, self.z)
-        else:  # a log without the row count: the share itself decides
-            hi = spread
+        _, hi = spread_bounds(spread, rows, self.z)
         limit = 1.0 - self.alert_above
         if spread >= limit:
             return False, None
         if hi >= limit:
             return None, None  # above the line, but the rows cannot tell it from the line
-        rankme = metrics.get("dd/final_rankme", math.nan)
-        where = "the final norm's output" if key.endswith("out_offset_share") else "final stream"
-        rows_text = f" from {rows:.0f} rows (at most {hi:.2%})" if math.isfinite(rows) else ""
+        width = rows / per_dim if per_dim > 0 else math.nan
+        if not (math.isfinite(spread_rank) and math.isfinite(width)):
+            return None, None
+        if spread_rank < self.min_spread_rank * min(width, rows - 1):
+            return False, None  # one large shared vector, but the rest is structured
         return True, Alert(
             self.name,
             key,
             self.step,
             float(share),
             self.alert_above,
-            f"representation collapse at step {self.step}: the rows of {where} are one shared "
-            f"vector up to {spread:.2%} of their energy{rows_text} (offset share {share:.4f} > "
-            f"{self.alert_above:g}; RankMe {rankme:.3g})",
+            f"representation collapse at step {self.step}: the final norm's output rows are one "
+            f"shared vector up to {spread:.2%} of their energy (at most {hi:.2%} from "
+            f"{rows:.0f} rows; offset share {share:.4f} > {self.alert_above:g}), and the rest "
+            f"varies in no particular direction (centred RankMe {spread_rank:.3g} of "
+            f"{width:.0f})",
             point=final,
         )
 
@@ -1091,9 +1121,9 @@ class GainDriftRule(_EpisodeRule):
     Example::
 
         >>> rule = GainDriftRule()
-        >>> [a.key for a in rule.evaluate({"dd/gamma_scale_min": 0.3}, 40)]
+        >>> [a.key for a in rule.evaluate({"dd/gamma_scale_min": 0.2}, 40)]
         ['dd/gamma_scale_min']
-        >>> rule.evaluate({"dd/gamma_scale_min": 0.2, "dd/gamma_crossed_max": 0.5}, 50)
+        >>> rule.evaluate({"dd/gamma_scale_min": 0.1, "dd/gamma_crossed_max": 0.5}, 50)
         []
     """
 
@@ -1101,9 +1131,9 @@ class GainDriftRule(_EpisodeRule):
 
     def __init__(
         self,
-        scale_below: float = 0.5,
+        scale_below: float = 0.25,
         scale_above: float | None = 10.0,
-        crossed_above: float = 0.05,
+        crossed_above: float = 0.1,
     ) -> None:
         super().__init__()
         if not 0 < scale_below < 1 or not 0 <= crossed_above < 1:
@@ -1182,8 +1212,9 @@ class ScaleGrowthRule(_EpisodeRule):
     """A stream's scale running away: some residual point's RMS more than ``max_growth`` x its
     previous read (``dd/rms_growth_max``). The RMS of ``N`` rows is a mean of ``N d`` squares,
     so its sampling error is far below the factor (no interval). The growth is per read, so
-    its meaning scales with ``every_n_steps``: healthy runs grow up to about 7x between the
-    first two reads of the zoo (steps 1 and 9), then under 2.5x a read.
+    its meaning scales with ``every_n_steps``: measured healthy runs grew up to 99x between
+    two reads (the zoo's high-learning-rate twin, steps 1 to 9; 7x at lr 1e-3), diverging ones
+    376-1809x (docs/alerts.md).
 
     Example::
 
@@ -1197,7 +1228,7 @@ class ScaleGrowthRule(_EpisodeRule):
 
     name = "stream_scale_growth"
 
-    def __init__(self, max_growth: float = 20.0) -> None:
+    def __init__(self, max_growth: float = 300.0) -> None:
         super().__init__()
         if not max_growth > 1:
             raise ValueError(f"ScaleGrowthRule: max_growth must be > 1, got {max_growth}")
@@ -1232,13 +1263,16 @@ def default_dead_direction_rules(
     kernel_rule: KernelLossRule | None = None,
     kernel: bool = True,
     nonfinite: bool = True,
+    stream: bool = True,
 ) -> list[Any]:
     """The default rules of :class:`~normscope.adapters.lightning.DeadDirectionMonitor`, in the order
     they are evaluated: a :class:`SigmaMinRatioRule` (``SigmaMinRatioRule()`` unless
     ``sigma_rule``), a :class:`KernelLossRule` (``KernelLossRule()`` unless ``kernel_rule``;
     none with ``kernel=False``), then with ``sources`` a :class:`SourceCollapseRule` on the
-    sigma rule, then a :class:`NonFiniteRule` (none with ``nonfinite=False``). The monitor,
-    ``normscope scan`` and ``normscope report`` all build theirs here.
+    sigma rule, then a :class:`NonFiniteRule` (none with ``nonfinite=False``), then the stream
+    rules :class:`RepresentationCollapseRule`, :class:`GainDriftRule` and
+    :class:`ScaleGrowthRule` (none with ``stream=False``; post-norm models included: they read
+    no premise). The monitor, ``normscope scan`` and ``normscope report`` all build theirs here.
 
     ``kinds`` maps norm paths to their declared kind (the kernel rule's ``kinds``);
     ``sublayers`` maps the residual points, in depth order, to their sublayer (the sigma and
@@ -1248,11 +1282,14 @@ def default_dead_direction_rules(
     Example::
 
         >>> rules = default_dead_direction_rules({"ln_f": "layernorm"}, {"h.0": "attn"})
+        >>> [r.name for r in rules]  # doctest: +NORMALIZE_WHITESPACE
+        ['sigma_min_collapse', 'layernorm_kernel_lost', 'non_finite_rows',
+         'representation_collapse', 'norm_gain_drift', 'stream_scale_growth']
+        >>> rules = default_dead_direction_rules({}, {}, sources=True, kernel=False, stream=False)
         >>> [r.name for r in rules]
-        ['sigma_min_collapse', 'layernorm_kernel_lost', 'non_finite_rows']
-        >>> [r.name for r in default_dead_direction_rules({}, {}, sources=True, kernel=False)]
         ['sigma_min_collapse', 'source_collapse', 'non_finite_rows']
-        >>> [r.name for r in default_dead_direction_rules({}, None, sources=True, nonfinite=False)]
+        >>> rules = default_dead_direction_rules({}, None, nonfinite=False, stream=False)
+        >>> [r.name for r in rules]
         ['layernorm_kernel_lost']
     """
     rules: list[Any] = []
@@ -1270,4 +1307,6 @@ def default_dead_direction_rules(
         rules.append(by_source)
     if nonfinite:
         rules.append(NonFiniteRule())
+    if stream:
+        rules += [RepresentationCollapseRule(), GainDriftRule(), ScaleGrowthRule()]
     return rules
