@@ -186,3 +186,23 @@ def test_cumulative_ratio_is_watched_only_when_asked_and_then_with_patience():
     both = SigmaMinRatioRule(watch=("ratio", "step"), ratio_patience=2)
     assert both.evaluate(m, 1) == []
     assert [a.key for a in both.evaluate(m, 2)] == ["dd/h.3/sigma_min_ratio"]
+
+
+def test_a_ratio_hovering_at_the_floor_needs_a_second_read_below():
+    """The healthy contrastive twin of the zoo (seed 1, no biases): one point's step ratio at
+    0.49-0.50 for reads, interval tops 0.61, 0.599, 0.63 -- one read under 0.6 by chance. A fall
+    from above the line fires at once; from undecided, on the second read below."""
+
+    def run(tops: list[float]) -> list[int]:
+        rule = SigmaMinRatioRule()
+        rule.sublayers = {"h.1": "mlp"}
+        fired = []
+        for i, hi in enumerate(tops):
+            m = {"dd/h.1/sigma_min_step": hi / 1.25, "dd/h.1/sigma_min_step_hi": hi}
+            fired += [i for _ in rule.evaluate({**m, "dd/rows_per_dim": 16.0}, i)]
+        return fired
+
+    assert run([0.62, 0.61, 0.599, 0.63, 0.62]) == []
+    assert run([0.62, 0.61, 0.59, 0.58]) == [3]  # a slow onset: one read later
+    assert run([0.9, 0.55]) == [1]  # from above the line: at once
+    assert run([0.55]) == [0]  # the first read has no history: at once

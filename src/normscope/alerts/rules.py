@@ -323,6 +323,11 @@ class SigmaMinRatioRule:
         ratio_patience: consecutive reads a point must stay below on the cumulative ratio alone
             (its step not below, no sudden drop) before it fires (with ``"ratio"`` watched).
         one_per_episode: one alert per collapse episode across points (see above).
+        confirm_near_floor: a point that was under the line but undecided at the previous read
+            (its interval reaching above it) and now reads below, without a sudden drop, needs
+            a second read below: a ratio hovering at the floor crosses it by chance in one read
+            of many (measured: a healthy contrastive twin at 0.61, 0.60, 0.63 for three reads,
+            the middle one with its interval's top at 0.599; docs/alerts.md).
 
     Example::
 
@@ -351,6 +356,7 @@ class SigmaMinRatioRule:
         drop_below: float = 0.85,
         ratio_patience: int = 1,
         one_per_episode: bool = True,
+        confirm_near_floor: bool = True,
     ) -> None:
         if patience < 1 or ratio_patience < 1:
             raise ValueError(
@@ -373,6 +379,7 @@ class SigmaMinRatioRule:
         self.drop = drop
         self.drop_below = float(drop_below)
         self.ratio_patience = int(ratio_patience)
+        self.confirm_near_floor = bool(confirm_near_floor)
         self.one_per_episode = bool(one_per_episode)
         self.in_episode = False  # an alert fired and some point has stayed below since
         self.previous_step: dict[str, float] = {}  # each point's step ratio at the last read
@@ -496,7 +503,7 @@ class SigmaMinRatioRule:
         ]
         upstream_collapse = False
         alerts: list[Alert] = []
-        self.undecided = {}
+        near, self.undecided = self.undecided, {}
         previous, self.previous_step = self.previous_step, {}
         any_below = False
         for point in order:
@@ -533,6 +540,10 @@ class SigmaMinRatioRule:
             need = self.patience
             if below and metric == "sigma_min_ratio" and not sudden:
                 need = max(self.patience, self.ratio_patience)
+            if below and not sudden and self.confirm_near_floor and point in near:
+                # under the line but undecided at the last read: hovering at the floor, one
+                # read in many dips under it by chance; a second read below confirms
+                need = max(need, 2)
             # Fire once when patience is reached, not on every read after; a collapse that
             # began during the warm-up and still holds fires at the first read after it.
             first_after_warmup = self.reads == self.warmup_reads + 1
