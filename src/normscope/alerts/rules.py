@@ -380,6 +380,7 @@ class SigmaMinRatioRule:
         self.drop_below = float(drop_below)
         self.ratio_patience = int(ratio_patience)
         self.confirm_near_floor = bool(confirm_near_floor)
+        self.onset_need: dict[str, int] = {}  # reads below each point's onset needs to fire
         self.one_per_episode = bool(one_per_episode)
         self.in_episode = False  # an alert fired and some point has stayed below since
         self.previous_step: dict[str, float] = {}  # each point's step ratio at the last read
@@ -515,7 +516,11 @@ class SigmaMinRatioRule:
                 self.previous_step[point] = step_value
             if not below and self._sudden_drop(values, previous.get(point, math.nan)):
                 below, metric, value, sudden = True, "sigma_min_step", step_value, True
-            elif not below and self.below.get(point, 0) and self._under_drop_floor(values):
+            elif (
+                not below
+                and self.below.get(point, 0) >= self.onset_need.get(point, self.patience)
+                and self._under_drop_floor(values)
+            ):
                 # below at the last read and still under the drop floor: the same collapse
                 # persists (no second alert when its interval top wavers around the floor)
                 below, metric, value = True, "sigma_min_step", step_value
@@ -544,6 +549,9 @@ class SigmaMinRatioRule:
                 # under the line but undecided at the last read: hovering at the floor, one
                 # read in many dips under it by chance; a second read below confirms
                 need = max(need, 2)
+            if below and self.below[point] == 1:
+                self.onset_need[point] = need  # decided at the onset, kept while it holds
+            need = self.onset_need.get(point, need) if below else need
             # Fire once when patience is reached, not on every read after; a collapse that
             # began during the warm-up and still holds fires at the first read after it.
             first_after_warmup = self.reads == self.warmup_reads + 1
