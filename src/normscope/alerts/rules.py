@@ -601,10 +601,12 @@ class SigmaMinRatioRule:
             "below": dict(self.below),
             "previous_step": dict(self.previous_step),
             "in_episode": self.in_episode,
+            "onset_need": dict(self.onset_need),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.in_episode = bool(state.get("in_episode", False))
+        self.onset_need = {str(k): int(v) for k, v in state.get("onset_need", {}).items()}
         self.reads = int(state.get("reads", 0))
         self.below = {str(k): int(v) for k, v in state.get("below", {}).items()}
         self.previous_step = {str(k): float(v) for k, v in state.get("previous_step", {}).items()}
