@@ -705,6 +705,11 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
             and j["gt_cross"]["read"]
             and j["first_alert"]["read"] <= j["gt_cross"]["read"]
         )
+        gt_leads = [
+            j["gt_cross"]["read"] - j["first_alert"]["read"]
+            for _, j in patho
+            if j["first_alert"] and j["gt_cross"] and j["gt_cross"]["read"]
+        ]
         loss_reads = [
             j["loss_cross"]["read"] for _, j in patho if j["loss_cross"] and j["loss_cross"]["read"]
         ]
@@ -730,7 +735,7 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
                 f"{len(gt_reads)}/{n}, read {_med(gt_reads)}" if p.gt else "-",
                 f"{len(al_reads)}/{n}, read {_med(al_reads)}"
                 + (f" ({', '.join(rules)})" if rules else ""),
-                f"{in_time}/{n}" if p.gt else "-",
+                f"{in_time}/{n}; lead {_med(gt_leads)}" if p.gt else "-",
                 f"{len(loss_reads)}/{n}, read {_med(loss_reads)}; lead {_med(leads)}",
                 f"{twin_alerts} in {twin_reads} reads"
                 + (f" (GT crossed in {twin_gt})" if twin_gt else ""),
@@ -758,7 +763,7 @@ TABLE_HEAD = [
     "ground truth threshold",
     "GT crossed: runs, median read",
     "normscope alert: runs, median first read",
-    "alert at or before GT",
+    "alert at or before GT; lead over the GT crossing (reads, median)",
     "loss shows it (jump > 1 nat): runs, read; lead of the alert (reads)",
     "twin false alarms",
     "final loss (10-step mean), pathology vs twin",
