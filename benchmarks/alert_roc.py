@@ -58,14 +58,20 @@ from normscope.alerts import SigmaMinRatioRule, default_dead_direction_rules  # 
 from normscope.functional.profile import ratio_bounds  # noqa: E402
 
 #: the rules as they were judged before issue 32: both ratios watched, one alert per point
-BEFORE = {"watch": ("ratio", "step"), "one_per_episode": False, "confirm_near_floor": False}
+BEFORE = {
+    "watch": ("ratio", "step"),
+    "one_per_episode": False,
+    "confirm_near_floor": False,
+    "drop_from_first_read": True,
+}
 
 RULES = {
     "v1": lambda: SigmaMinRatioRule(tolerance=0.2, min_rows_per_dim=2, drop=None, **BEFORE),
     "rows, floor 0.8": lambda: SigmaMinRatioRule(tolerance=0.2, drop=None, **BEFORE),
     "rows, floor 0.6": lambda: SigmaMinRatioRule(tolerance=0.4, drop=None, **BEFORE),
     "default before issue 32": lambda: SigmaMinRatioRule(**BEFORE),  # floor 0.6; drop 0.85
-    # issue 32: the step ratio only, one alert per episode, a hover at the floor confirmed
+    # issue 32: the step ratio only, one alert per episode, a hover at the floor confirmed,
+    # no sudden drop against the first read
     "default": lambda: SigmaMinRatioRule(),
 }
 

@@ -582,7 +582,12 @@ def _today(meta: Mapping[str, Any]) -> list[Any]:
 def _before(meta: Mapping[str, Any]) -> list[Any]:
     """The monitor's rules before issue 32's: ``sigma_min`` on both ratios, one alert per point
     (no episodes), the kernel rule and the non-finite rule; no stream rules."""
-    sigma = SigmaMinRatioRule(watch=("ratio", "step"), one_per_episode=False)
+    sigma = SigmaMinRatioRule(
+        watch=("ratio", "step"),
+        one_per_episode=False,
+        confirm_near_floor=False,
+        drop_from_first_read=True,
+    )
     return default_dead_direction_rules(
         meta["kinds"], meta["sublayers"], sigma_rule=sigma, stream=False
     )

@@ -206,3 +206,24 @@ def test_a_ratio_hovering_at_the_floor_needs_a_second_read_below():
     assert run([0.62, 0.61, 0.59, 0.58]) == [3]  # a slow onset: one read later
     assert run([0.9, 0.55]) == [1]  # from above the line: at once
     assert run([0.55]) == [0]  # the first read has no history: at once
+
+
+def test_no_sudden_drop_against_the_first_read():
+    """Healthy contrastive twins of the zoo (seeds 2, 3) halve one point's step ratio between
+    the first read (step 1) and the second (step 9): 0.90 to 0.51, interval top 0.65. Judged
+    against the first read that was a sudden drop; from the third read on it is one."""
+
+    def run(steps: list[tuple[float, float]], **kw) -> list[int]:
+        rule = SigmaMinRatioRule(**kw)
+        rule.sublayers = {"h.2": "mlp"}
+        fired = []
+        for i, (step, hi) in enumerate(steps):
+            m = {"dd/h.2/sigma_min_step": step, "dd/h.2/sigma_min_step_hi": hi}
+            fired += [i for _ in rule.evaluate({**m, "dd/rows_per_dim": 16.0}, i)]
+        return fired
+
+    twin = [(0.90, 1.13), (0.51, 0.65), (0.64, 0.80), (0.66, 0.83)]
+    assert run(twin) == []
+    assert run(twin, drop_from_first_read=True) == [1]
+    later = [(0.90, 1.13), (0.92, 1.15), (0.51, 0.65)]
+    assert run(later) == [2]  # a sudden drop against the second read: at once

@@ -328,6 +328,12 @@ class SigmaMinRatioRule:
             a second read below: a ratio hovering at the floor crosses it by chance in one read
             of many (measured: a healthy contrastive twin at 0.61, 0.60, 0.63 for three reads,
             the middle one with its interval's top at 0.599; docs/alerts.md).
+        drop_from_first_read: judge a sudden drop against the run's first read too. Off by
+            default: the first read is taken at initialisation (a monitor's first read is step
+            1), and the first steps of training reshape the stream: healthy contrastive twins
+            of the zoo (seeds 2, 3) halved one point's step ratio between steps 1 and 9 (0.90 to
+            0.51, interval top 0.65), a sudden drop by the rule's measure. The 0.6 floor still
+            applies at the second read.
 
     Example::
 
@@ -357,6 +363,7 @@ class SigmaMinRatioRule:
         ratio_patience: int = 1,
         one_per_episode: bool = True,
         confirm_near_floor: bool = True,
+        drop_from_first_read: bool = False,
     ) -> None:
         if patience < 1 or ratio_patience < 1:
             raise ValueError(
@@ -380,6 +387,7 @@ class SigmaMinRatioRule:
         self.drop_below = float(drop_below)
         self.ratio_patience = int(ratio_patience)
         self.confirm_near_floor = bool(confirm_near_floor)
+        self.drop_from_first_read = bool(drop_from_first_read)
         self.onset_need: dict[str, int] = {}  # reads below each point's onset needs to fire
         self.one_per_episode = bool(one_per_episode)
         self.in_episode = False  # an alert fired and some point has stayed below since
@@ -461,6 +469,8 @@ class SigmaMinRatioRule:
         step_value = values.get("sigma_min_step", math.nan)
         if not (math.isfinite(step_value) and math.isfinite(previous)):
             return False
+        if not self.drop_from_first_read and self.reads <= 2:
+            return False  # the previous read is the run's first, taken at initialisation
         return step_value < (self.drop or 0.0) * previous and self._under_drop_floor(values)
 
     def _under_drop_floor(self, values: Mapping[str, float]) -> bool:
