@@ -1064,10 +1064,11 @@ class RepresentationCollapseRule(_EpisodeRule):
     * the spread about that vector is not concentrated: its RankMe (``dd/final_rankme_centred``)
       at least ``min_spread_rank`` x the width ``d``. A network that maps every input to one
       point keeps only unstructured variation (self-supervised collapse without its
-      stop-gradient: centred RankMe 48-52 of 64 on the zoo); a healthy run can pile a large
-      shared vector onto its stream for a while (the zoo's high-learning-rate twin at lr 0.03:
-      offset share 0.9999 at steps 9-59, then recovering) but what varies then varies along a
-      few learned directions (centred RankMe 5-17 of 64).
+      stop-gradient: centred RankMe 45-53 of 64 on the zoo); a healthy run can pile a large
+      shared vector onto its stream for a while (the zoo's high-learning-rate twins at lr
+      0.03: offset share above 0.999 for up to 13 reads, then recovering) but what varies
+      then mostly varies along a few directions (centred RankMe under 18 of 64 in all but 3
+      of those reads; one, 39 of 64 at the transient's spike, is the zoo's one false alarm).
 
     Without the final norm's reads (``layers=`` without it, a budget that left it out) the rule
     does not decide. Thresholds and the seeds they were chosen on: docs/alerts.md.
