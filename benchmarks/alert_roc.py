@@ -55,14 +55,25 @@ from examples.data import stdlib_text  # noqa: E402
 from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
 from normscope import scan_model  # noqa: E402
-from normscope.alerts import SigmaMinRatioRule  # noqa: E402
+from normscope.alerts import SigmaMinRatioRule, default_dead_direction_rules  # noqa: E402
 from normscope.functional.profile import ratio_bounds  # noqa: E402
 
+#: the rules as they were judged before issue 32: both ratios watched, one alert per point
+BEFORE = {
+    "watch": ("ratio", "step"),
+    "one_per_episode": False,
+    "confirm_near_floor": False,
+    "drop_from_first_read": True,
+}
+
 RULES = {
-    "v1": lambda: SigmaMinRatioRule(tolerance=0.2, min_rows_per_dim=2, drop=None),  # raw ratios
-    "rows, floor 0.8": lambda: SigmaMinRatioRule(tolerance=0.2, drop=None),
-    "rows, floor 0.6": lambda: SigmaMinRatioRule(tolerance=0.4, drop=None),
-    "default": lambda: SigmaMinRatioRule(),  # floor 0.6, a sudden drop under 0.6x: 0.85
+    "v1": lambda: SigmaMinRatioRule(tolerance=0.2, min_rows_per_dim=2, drop=None, **BEFORE),
+    "rows, floor 0.8": lambda: SigmaMinRatioRule(tolerance=0.2, drop=None, **BEFORE),
+    "rows, floor 0.6": lambda: SigmaMinRatioRule(tolerance=0.4, drop=None, **BEFORE),
+    "default before issue 32": lambda: SigmaMinRatioRule(**BEFORE),  # floor 0.6; drop 0.85
+    # issue 32: the step ratio only, one alert per episode, a hover at the floor confirmed,
+    # no sudden drop against the first read
+    "default": lambda: SigmaMinRatioRule(),
 }
 
 
@@ -363,8 +374,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if c["strength"] >= 0.8 and (c["delay"] is None or c["delay"] > 2):
             misses[(c["kind"], c["strength"], c["width"], str(c["rows"]))] += 1
     print("  " + (", ".join(f"{k}: {v}" for k, v in sorted(misses.items())) or "none"))
+    verdict["stream"] = stream_alarms(records)
+    s = verdict["stream"]
+    print(
+        f"\nstream rules (issue 32) on the healthy reads: {s['alerts']} alerts in {s['reads']} "
+        f"reads, {s['judged']} of them with a finite dd/rms_growth_max ({s['by_rule'] or 'none'})"
+    )
     verdict["records"] = len(records)
     return verdict
+
+
+def stream_alarms(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The monitor's stream rules on every healthy monitor's reads (every alert is false). Only
+    the residual points are read here (no norm layer): ``stream_scale_growth`` and
+    ``non_finite_rows`` decide; ``representation_collapse`` and ``norm_gain_drift`` need the
+    final norm's and the gains' reads and stay silent."""
+    series: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r["kind"] == "healthy":
+            series[(r["run"], r["every"], r["max_rows"], r["per_dim"])].append(r)
+    reads = alerts = judged = 0
+    by_rule: dict[str, int] = defaultdict(int)
+    for rs in series.values():
+        rules = default_dead_direction_rules({}, None, kernel=False)
+        for r in sorted(rs, key=lambda r: r["step"]):
+            reads += 1
+            judged += math.isfinite(r["metrics"].get("dd/rms_growth_max", math.nan))
+            for rule in rules:
+                for a in rule.evaluate(r["metrics"], r["step"]):
+                    alerts += 1
+                    by_rule[a.rule] += 1
+    return {"reads": reads, "alerts": alerts, "judged": judged, "by_rule": dict(by_rule)}
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ class Run:
 
 def _profile_keys(metrics: dict[str, float]) -> dict[str, float]:
     keep = ("/sigma_min_ratio", "/sigma_min_step", "_lo", "_hi", "/rows_per_dim", "/depth")
+    # the stream reads of the residual points (docs/metrics.md §1.6; no norm layer is read here)
+    keep += ("/offset_share", "/offset_share_max", "/rms", "/rms_growth", "/rms_growth_max")
+    keep += ("/final_offset_share", "/nonfinite_share", "/rows_rejected")
     return {k: v for k, v in metrics.items() if k.startswith("dd/") and k.endswith(keep)}
 
 

@@ -44,8 +44,8 @@ the monitor logged at that read, the ground truth at that read's step, the alert
 monitor fired there) and one ``{"type": "run"}`` line per run (the whole per-step ground truth,
 the monitor's rule layout, its ``alerts_fired``, wall time). ``--judge`` replays the reads
 through a rule set from ``RULE_SETS`` (``today``: what ``DeadDirectionMonitor`` runs, rebuilt by
-``normscope.alerts.default_dead_direction_rules``; ``sigma_min``: ``SigmaMinRatioRule()`` on
-every run) and prints the zoo table and the keys that separate each pathology from its twin.
+``normscope.alerts.default_dead_direction_rules``; ``before``: its rules before issue 32's
+stream rules and sigma_min episodes; ``sigma_min``: ``SigmaMinRatioRule()`` on every run) and prints the zoo table and the keys that separate each pathology from its twin.
 A new rule set: ``@register_rule_set("name")`` on ``fn(run meta) -> [rules]`` (each with
 ``evaluate(metrics, step) -> [Alert]``), here or in a ``--plugin`` file, whose code runs with
 ``register_rule_set`` in scope; the meta holds the monitor's ``kinds`` and ``sublayers``.
@@ -578,6 +578,21 @@ def _today(meta: Mapping[str, Any]) -> list[Any]:
     return default_dead_direction_rules(meta["kinds"], meta["sublayers"])
 
 
+@register_rule_set("before")
+def _before(meta: Mapping[str, Any]) -> list[Any]:
+    """The monitor's rules before issue 32's: ``sigma_min`` on both ratios, one alert per point
+    (no episodes), the kernel rule and the non-finite rule; no stream rules."""
+    sigma = SigmaMinRatioRule(
+        watch=("ratio", "step"),
+        one_per_episode=False,
+        confirm_near_floor=False,
+        drop_from_first_read=True,
+    )
+    return default_dead_direction_rules(
+        meta["kinds"], meta["sublayers"], sigma_rule=sigma, stream=False
+    )
+
+
 @register_rule_set("sigma_min")
 def _sigma_only(meta: Mapping[str, Any]) -> list[Any]:
     """``SigmaMinRatioRule()`` alone, also where the monitor switched it off (post-norm)."""
@@ -695,6 +710,11 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
             and j["gt_cross"]["read"]
             and j["first_alert"]["read"] <= j["gt_cross"]["read"]
         )
+        gt_leads = [
+            j["gt_cross"]["read"] - j["first_alert"]["read"]
+            for _, j in patho
+            if j["first_alert"] and j["gt_cross"] and j["gt_cross"]["read"]
+        ]
         loss_reads = [
             j["loss_cross"]["read"] for _, j in patho if j["loss_cross"] and j["loss_cross"]["read"]
         ]
@@ -720,7 +740,7 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
                 f"{len(gt_reads)}/{n}, read {_med(gt_reads)}" if p.gt else "-",
                 f"{len(al_reads)}/{n}, read {_med(al_reads)}"
                 + (f" ({', '.join(rules)})" if rules else ""),
-                f"{in_time}/{n}" if p.gt else "-",
+                f"{in_time}/{n}; lead {_med(gt_leads)}" if p.gt else "-",
                 f"{len(loss_reads)}/{n}, read {_med(loss_reads)}; lead {_med(leads)}",
                 f"{twin_alerts} in {twin_reads} reads"
                 + (f" (GT crossed in {twin_gt})" if twin_gt else ""),
@@ -748,7 +768,7 @@ TABLE_HEAD = [
     "ground truth threshold",
     "GT crossed: runs, median read",
     "normscope alert: runs, median first read",
-    "alert at or before GT",
+    "alert at or before GT; lead over the GT crossing (reads, median)",
     "loss shows it (jump > 1 nat): runs, read; lead of the alert (reads)",
     "twin false alarms",
     "final loss (10-step mean), pathology vs twin",
@@ -991,7 +1011,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 args.norms.split(",") if args.norms else None,
             )
         )
-        with open(out, "w") as fh:
+        opener = gzip.open if str(out).endswith(".gz") else open
+        with opener(out, "wt") as fh:
             for i, (p, arm, norm, seed, steps) in enumerate(todo, 1):
                 recs = run_one(p, arm, norm, seed, steps, data)
                 fh.writelines(json.dumps(r) + "\n" for r in recs)

@@ -218,7 +218,9 @@ def test_wandb_run_holds_both_families_and_their_summaries(tmp_path, monkeypatch
     while time.monotonic() < deadline:  # W&B's finish() may return before the last flush
         run = read_wandb_run(tmp_path)
         summaries = all(isinstance(run.summary.get(k), dict) for k in wanted)
-        if summaries and len(run.series("dd[fast]/sigma_min_ratio_min")[0]) == fast.reads:
+        flushed = len(run.series("dd[fast]/sigma_min_ratio_min")[0]) == fast.reads
+        flushed = flushed and len(run.series("dd[all]/sigma_min_ratio_min")[0]) == full.reads
+        if summaries and flushed:  # both monitors' last reads (more keys: a slower flush)
             break
         time.sleep(0.25)
     steps, _ = run.series("dd[fast]/sigma_min_ratio_min")

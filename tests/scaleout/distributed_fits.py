@@ -154,8 +154,11 @@ def fit_exact(out: Path, async_reads: bool = False) -> dict[str, Any]:
 
 
 def _jobs(tracker: DeadDirectionTracker) -> int:
-    """The jobs of one whole read: norm layers and residual points (no sources here)."""
-    return len(tracker.norms) + len(tracker.point_taps)
+    """The jobs of one whole read: norm layers, the residual points no norm reads (a point a
+    norm reads is read in that norm's job; no sources here) and the one stream job."""
+    inputs = {tap_in.key for tap_in, _ in tracker.norm_taps.values()}
+    alone = sum(1 for tap in tracker.point_taps if tap.key not in inputs)
+    return len(tracker.norms) + alone + 1  # + the stream job
 
 
 def fit_exact_async(out: Path) -> dict[str, Any]:

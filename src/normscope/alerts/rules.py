@@ -15,8 +15,11 @@ __all__ = [
     "CLASS_CODE",
     "CallableRule",
     "Collapse",
+    "GainDriftRule",
     "KernelLossRule",
     "OutlierRule",
+    "RepresentationCollapseRule",
+    "ScaleGrowthRule",
     "SigmaMinRatioRule",
     "SignChurnSpikeRule",
     "SourceCollapseRule",
@@ -25,6 +28,7 @@ __all__ = [
     "collapse_keys",
     "default_dead_direction_rules",
     "source_reads",
+    "spread_bounds",
 ]
 
 
@@ -267,10 +271,18 @@ class SigmaMinRatioRule:
 
     docs/metrics.md §1.4: with identity skips and no cancellation ``sigma_min`` cannot fall with
     depth, so both the cumulative ratio ``sigma_min(p_k) / sigma_min(p_0)`` and the step ratio
-    ``sigma_min(p_k) / sigma_min(p_{k-1})`` stay >= 1. The rule watches both (``watch``): the
-    step ratio localises a collapse even where ``p_0`` (an embedding) is so narrow that the
-    cumulative ratio stays far above 1 -- in the demo a cancelling MLP branch takes the step at
-    its sublayer to 0.39 while every cumulative ratio stays above 3.
+    ``sigma_min(p_k) / sigma_min(p_{k-1})`` stay >= 1. By default the rule watches the step
+    ratio (``watch``): the premise is one sublayer's, and the step localises a collapse even
+    where ``p_0`` (an embedding) is so narrow that the cumulative ratio stays far above 1 -- in
+    the demo a cancelling MLP branch takes the step at its sublayer to 0.39 while every
+    cumulative ratio stays above 3. The cumulative ratio is the product of the steps: judged
+    against the same floor it counts several healthy dips, none under the floor, as one
+    collapse (measured: 22 false alarms on the zoo's healthy contrastive twins, cumulative
+    ratios 0.36-0.47 at step 9 from steps of 0.55-0.9 each; docs/alerts.md). Watch it with
+    ``watch=("ratio", "step")``, and ``ratio_patience`` to make a fall on it alone persist.
+
+    **One alert per episode** (``one_per_episode``): after an alert, no other point raises one
+    until a read has no point below; a collapse that moves between points is one alert.
 
     **Rows.** A ratio read from ``N`` rows in ``d`` dimensions is biased low and noisy when
     ``N / d`` is small (Marchenko–Pastur), so a point counts as *below* only when the upper end
@@ -295,12 +307,27 @@ class SigmaMinRatioRule:
         tolerance: how far below ``alert_below`` a ratio may dip before it counts.
         patience: consecutive reads below the threshold before the alert fires.
         warmup_reads: the first reads of a run, which never alert.
-        watch: which ratios to check: ``("ratio", "step")`` (default), or one of them.
+        watch: which ratios to check: ``("step",)`` (default), ``("ratio", "step")`` or
+            ``("ratio",)``.
         min_rows_per_dim: the least ``N / d`` a read needs to decide (the monitor keeps a
             window open until it has that many rows, at most ``every_n_steps`` steps more).
         drop: a step ratio under this share of the point's previous step ratio is a sudden
             drop, judged against ``drop_below`` instead of the threshold; None: off.
         drop_below: the floor for a sudden drop (``>=`` the threshold).
+        ratio_patience: consecutive reads a point must stay below on the cumulative ratio alone
+            (its step not below, no sudden drop) before it fires (with ``"ratio"`` watched).
+        one_per_episode: one alert per collapse episode across points (see above).
+        confirm_near_floor: a point that was under the line but undecided at the previous read
+            (its interval reaching above it) and now reads below, without a sudden drop, needs
+            a second read below: a ratio hovering at the floor crosses it by chance in one read
+            of many (measured: a healthy contrastive twin at 0.61, 0.60, 0.63 for three reads,
+            the middle one with its interval's top at 0.599; docs/alerts.md).
+        drop_from_first_read: judge a sudden drop against the run's first read too. Off by
+            default: the first read is taken at initialisation (a monitor's first read is step
+            1), and the first steps of training reshape the stream: healthy contrastive twins
+            of the zoo (seeds 2, 3) halved one point's step ratio between steps 1 and 9 (0.90 to
+            0.51, interval top 0.65), a sudden drop by the rule's measure. The 0.6 floor still
+            applies at the second read.
 
     Example::
 
@@ -323,13 +350,20 @@ class SigmaMinRatioRule:
         tolerance: float = 0.4,
         patience: int = 1,
         warmup_reads: int = 0,
-        watch: Sequence[str] = ("ratio", "step"),
+        watch: Sequence[str] = ("step",),
         min_rows_per_dim: float = 4.0,
         drop: float | None = 0.6,
         drop_below: float = 0.85,
+        ratio_patience: int = 1,
+        one_per_episode: bool = True,
+        confirm_near_floor: bool = True,
+        drop_from_first_read: bool = False,
     ) -> None:
-        if patience < 1:
-            raise ValueError(f"SigmaMinRatioRule: patience must be >= 1, got {patience}")
+        if patience < 1 or ratio_patience < 1:
+            raise ValueError(
+                f"SigmaMinRatioRule: patience and ratio_patience must be >= 1, got {patience}, "
+                f"{ratio_patience}"
+            )
         if tolerance < 0 or warmup_reads < 0:
             raise ValueError("SigmaMinRatioRule: tolerance and warmup_reads must be >= 0")
         if not watch or any(w not in ("ratio", "step") for w in watch):
@@ -345,6 +379,12 @@ class SigmaMinRatioRule:
             raise ValueError(f"SigmaMinRatioRule: drop must be in (0, 1) or None, got {drop}")
         self.drop = drop
         self.drop_below = float(drop_below)
+        self.ratio_patience = int(ratio_patience)
+        self.confirm_near_floor = bool(confirm_near_floor)
+        self.drop_from_first_read = bool(drop_from_first_read)
+        self.onset_need: dict[str, int] = {}  # reads below each point's onset needs to fire
+        self.one_per_episode = bool(one_per_episode)
+        self.in_episode = False  # an alert fired and some point has stayed below since
         self.previous_step: dict[str, float] = {}  # each point's step ratio at the last read
         self.alert_below = alert_below
         self.tolerance = tolerance
@@ -424,6 +464,8 @@ class SigmaMinRatioRule:
         step_value = values.get("sigma_min_step", math.nan)
         if not (math.isfinite(step_value) and math.isfinite(previous)):
             return False
+        if not self.drop_from_first_read and self.reads <= 2:
+            return False  # the previous read is the run's first, taken at initialisation
         return step_value < (self.drop or 0.0) * previous and self._under_drop_floor(values)
 
     def _under_drop_floor(self, values: Mapping[str, float]) -> bool:
@@ -466,8 +508,9 @@ class SigmaMinRatioRule:
         ]
         upstream_collapse = False
         alerts: list[Alert] = []
-        self.undecided = {}
+        near, self.undecided = self.undecided, {}
         previous, self.previous_step = self.previous_step, {}
+        any_below = False
         for point in order:
             values = points[point]
             below, metric, value = self.decide(values)
@@ -477,7 +520,11 @@ class SigmaMinRatioRule:
                 self.previous_step[point] = step_value
             if not below and self._sudden_drop(values, previous.get(point, math.nan)):
                 below, metric, value, sudden = True, "sigma_min_step", step_value, True
-            elif not below and self.below.get(point, 0) and self._under_drop_floor(values):
+            elif (
+                not below
+                and self.below.get(point, 0) >= self.onset_need.get(point, self.patience)
+                and self._under_drop_floor(values)
+            ):
                 # below at the last read and still under the drop floor: the same collapse
                 # persists (no second alert when its interval top wavers around the floor)
                 below, metric, value = True, "sigma_min_step", step_value
@@ -487,15 +534,30 @@ class SigmaMinRatioRule:
                 if not self.step_below(values):
                     below = False  # only downstream of a collapse already counted
             upstream_collapse = upstream_collapse or bool(below)
+            any_below = any_below or bool(below)
             self.below[point] = self.below.get(point, 0) + 1 if below else 0
+            # A fall on the cumulative ratio alone (no step of its own under the line, no
+            # sudden drop) waits ratio_patience reads: spread over many sublayers, it is what
+            # healthy early training does for a read or two (docs/alerts.md).
+            need = self.patience
+            if below and metric == "sigma_min_ratio" and not sudden:
+                need = max(self.patience, self.ratio_patience)
+            if below and not sudden and self.confirm_near_floor and point in near:
+                # under the line but undecided at the last read: hovering at the floor, one
+                # read in many dips under it by chance; a second read below confirms
+                need = max(need, 2)
+            if below and self.below[point] == 1:
+                self.onset_need[point] = need  # decided at the onset, kept while it holds
+            need = self.onset_need.get(point, need) if below else need
             # Fire once when patience is reached, not on every read after; a collapse that
             # began during the warm-up and still holds fires at the first read after it.
             first_after_warmup = self.reads == self.warmup_reads + 1
             if self.reads <= self.warmup_reads or not (
-                self.below[point] == self.patience
-                or (first_after_warmup and self.below[point] > self.patience)
+                self.below[point] == need or (first_after_warmup and self.below[point] > need)
             ):
                 continue
+            if self.one_per_episode and (self.in_episode or alerts):
+                continue  # the episode's alert is out: not one per point it moves through
             sub = self.sublayers.get(point)
             module = f" ({self.modules[point]})" if point in self.modules else ""
             ratio = values.get("sigma_min_ratio", math.nan)
@@ -525,6 +587,9 @@ class SigmaMinRatioRule:
                     sublayer=sub,
                 )
             )
+        # the episode ends at the first read with no point below (one that cannot decide ends
+        # it too: a collapse that holds reads below again, and fires again)
+        self.in_episode = bool(alerts or self.in_episode) and any_below
         return alerts
 
     def state_dict(self) -> dict[str, Any]:
@@ -532,9 +597,13 @@ class SigmaMinRatioRule:
             "reads": self.reads,
             "below": dict(self.below),
             "previous_step": dict(self.previous_step),
+            "in_episode": self.in_episode,
+            "onset_need": dict(self.onset_need),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.in_episode = bool(state.get("in_episode", False))
+        self.onset_need = {str(k): int(v) for k, v in state.get("onset_need", {}).items()}
         self.reads = int(state.get("reads", 0))
         self.below = {str(k): int(v) for k, v in state.get("below", {}).items()}
         self.previous_step = {str(k): float(v) for k, v in state.get("previous_step", {}).items()}
@@ -903,6 +972,307 @@ class NonFiniteRule:
         self.firing = bool(state.get("firing", False))
 
 
+# ============================================================================
+# The stream rules (docs/metrics.md §1.6, docs/alerts.md): collapse onto one shared vector, the
+# norm gains' drift, a stream's scale running away. Each reads run-level ``dd/`` keys, so one
+# episode is one alert whatever points it moves between; it re-arms after a read that decides
+# "no" (a read that cannot decide, NaN, neither fires nor re-arms).
+# ============================================================================
+
+
+class _EpisodeRule:
+    """Fires once when :meth:`check` says True; re-arms after a read where it says False."""
+
+    name = "episode"
+
+    def __init__(self) -> None:
+        self.firing = False
+
+    def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
+        raise NotImplementedError
+
+    def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
+        self.step = step
+        hit, alert = self.check(metrics)
+        if hit is None:
+            return []
+        if not hit:
+            self.firing = False
+            return []
+        if self.firing or alert is None:
+            return []
+        self.firing = True
+        return [alert]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"firing": self.firing}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.firing = bool(state.get("firing", False))
+
+
+def _final_norm(metrics: Mapping[str, float]) -> str | None:
+    """The final norm's path: the one norm whose output RankMe is logged."""
+    for key in metrics:
+        if key.startswith("dd/") and key.endswith("/rankme"):
+            return key[len("dd/") : -len("/rankme")]
+    return None
+
+
+def spread_bounds(spread: float, n_rows: float, z: float = 3.0) -> tuple[float, float]:
+    """The interval of a spread share ``1 - offset_share`` read from ``n_rows`` rows:
+    ``[spread / slack, spread * slack]``, ``slack = exp(z sqrt(2 / N))``. The spread is ``tr C``
+    over ``E||x||^2``, a ratio of means of ``N`` rows; ``sqrt(2 / N)`` bounds the relative
+    standard error of ``tr C`` for Gaussian rows (``sqrt(2 tr C^2 / N) / tr C``, largest for a
+    rank-one ``C``). ``(nan, nan)`` without rows.
+
+    Example::
+
+        >>> lo, hi = spread_bounds(0.006, 1024)
+        >>> round(lo, 5), round(hi, 5)
+        (0.00525, 0.00685)
+    """
+    if not (math.isfinite(spread) and n_rows > 0):
+        return math.nan, math.nan
+    slack = math.exp(z * math.sqrt(2.0 / n_rows))
+    return spread / slack, spread * slack
+
+
+class RepresentationCollapseRule(_EpisodeRule):
+    """Complete representation collapse: every row of the final norm's output is one shared
+    vector, and what is left varies in no particular direction.
+
+    Two reads of the final norm's output (docs/metrics.md §1.6) decide together:
+
+    * the offset share ``dd/final_out_offset_share`` above ``alert_above`` (the rows are one
+      vector up to less than ``1 - alert_above`` of their energy), with confidence from the
+      rows: the spread share's interval (:func:`spread_bounds`, from the final norm's
+      ``n_rows``) must lie under ``1 - alert_above``;
+    * the spread about that vector is not concentrated: its RankMe (``dd/final_rankme_centred``)
+      at least ``min_spread_rank`` x the width ``d``. A network that maps every input to one
+      point keeps only unstructured variation (self-supervised collapse without its
+      stop-gradient: centred RankMe 45-53 of 64 on the zoo); a healthy run can pile a large
+      shared vector onto its stream for a while (the zoo's high-learning-rate twins at lr
+      0.03: offset share above 0.999 for up to 13 reads, then recovering) but what varies
+      then mostly varies along a few directions (centred RankMe under 18 of 64 in all but 3
+      of those reads; one, 39 of 64 at the transient's spike, is the zoo's one false alarm).
+
+    Without the final norm's reads (``layers=`` without it, a budget that left it out) the rule
+    does not decide. Thresholds and the seeds they were chosen on: docs/alerts.md.
+
+    Example::
+
+        >>> rule = RepresentationCollapseRule()
+        >>> m = {"dd/ln_f/rankme": 2.4, "dd/ln_f/n_rows": 1024.0, "dd/final_rows_per_dim": 16.0,
+        ...      "dd/final_out_offset_share": 0.998, "dd/final_rankme_centred": 50.0}
+        >>> [a.rule for a in rule.evaluate(m, 20)]
+        ['representation_collapse']
+        >>> rule.evaluate({**m, "dd/final_out_offset_share": 0.995}, 30)  # same episode
+        []
+        >>> RepresentationCollapseRule().evaluate({**m, "dd/final_rankme_centred": 9.0}, 20)
+        []
+    """
+
+    name = "representation_collapse"
+
+    def __init__(
+        self,
+        alert_above: float = 0.99,
+        min_spread_rank: float = 0.5,
+        z: float = 3.0,
+        min_rows: int = 32,
+    ) -> None:
+        super().__init__()
+        if not 0 < alert_above < 1 or not 0 <= min_spread_rank <= 1:
+            raise ValueError(
+                "RepresentationCollapseRule: alert_above must be in (0, 1) and min_spread_rank "
+                f"in [0, 1], got {alert_above}, {min_spread_rank}"
+            )
+        self.alert_above = float(alert_above)
+        self.min_spread_rank = float(min_spread_rank)
+        self.z = float(z)
+        self.min_rows = int(min_rows)
+
+    def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
+        key = "dd/final_out_offset_share"
+        share = metrics.get(key, math.nan)
+        final = _final_norm(metrics)
+        rows = metrics.get(f"dd/{final}/n_rows", math.nan) if final else math.nan
+        per_dim = metrics.get("dd/final_rows_per_dim", math.nan)
+        spread_rank = metrics.get("dd/final_rankme_centred", math.nan)
+        if not (math.isfinite(share) and math.isfinite(rows) and rows >= self.min_rows):
+            return None, None
+        spread = 1.0 - share
+        _, hi = spread_bounds(spread, rows, self.z)
+        limit = 1.0 - self.alert_above
+        if spread >= limit:
+            return False, None
+        if hi >= limit:
+            return None, None  # above the line, but the rows cannot tell it from the line
+        width = rows / per_dim if per_dim > 0 else math.nan
+        if not (math.isfinite(spread_rank) and math.isfinite(width)):
+            return None, None
+        if spread_rank < self.min_spread_rank * min(width, rows - 1):
+            return False, None  # one large shared vector, but the rest is structured
+        return True, Alert(
+            self.name,
+            key,
+            self.step,
+            float(share),
+            self.alert_above,
+            f"representation collapse at step {self.step}: the final norm's output rows are one "
+            f"shared vector up to {spread:.2%} of their energy (at most {hi:.2%} from "
+            f"{rows:.0f} rows; offset share {share:.4f} > {self.alert_above:g}), and the rest "
+            f"varies in no particular direction (centred RankMe {spread_rank:.3g} of "
+            f"{width:.0f})",
+            point=final,
+        )
+
+
+class GainDriftRule(_EpisodeRule):
+    """Norm gains drifting away from their first read: the median ``|gamma|`` of some norm
+    layer under ``scale_below`` x its first read's (``dd/gamma_scale_min``: weight decay on the
+    gains, a uniform shrink every scale-free read misses), over ``scale_above`` x it
+    (``dd/gamma_scale_max``), or more than ``crossed_above`` of some layer's gains with their
+    sign flipped since the first read (``dd/gamma_crossed_max``: a learning rate too high
+    throws gains across zero). Parameters, read exactly: no row count, no interval.
+
+    Example::
+
+        >>> rule = GainDriftRule()
+        >>> [a.key for a in rule.evaluate({"dd/gamma_scale_min": 0.2}, 40)]
+        ['dd/gamma_scale_min']
+        >>> rule.evaluate({"dd/gamma_scale_min": 0.1, "dd/gamma_crossed_max": 0.5}, 50)
+        []
+    """
+
+    name = "norm_gain_drift"
+
+    def __init__(
+        self,
+        scale_below: float = 0.25,
+        scale_above: float | None = 10.0,
+        crossed_above: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if not 0 < scale_below < 1 or not 0 <= crossed_above < 1:
+            raise ValueError(
+                "GainDriftRule: scale_below must be in (0, 1) and crossed_above in [0, 1), got "
+                f"{scale_below}, {crossed_above}"
+            )
+        if scale_above is not None and not scale_above > 1:
+            raise ValueError(f"GainDriftRule: scale_above must be > 1 or None, got {scale_above}")
+        self.scale_below = float(scale_below)
+        self.scale_above = scale_above
+        self.crossed_above = float(crossed_above)
+
+    def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
+        low = metrics.get("dd/gamma_scale_min", math.nan)
+        high = metrics.get("dd/gamma_scale_max", math.nan)
+        crossed = metrics.get("dd/gamma_crossed_max", math.nan)
+        if not any(math.isfinite(v) for v in (low, high, crossed)):
+            return None, None
+        found: list[tuple[str, float, float, str]] = []
+        if math.isfinite(crossed) and crossed > self.crossed_above:
+            found.append(
+                (
+                    "dd/gamma_crossed_max",
+                    crossed,
+                    self.crossed_above,
+                    f"{crossed:.0%} of a layer's gains changed sign since the first read",
+                )
+            )
+        if math.isfinite(low) and low < self.scale_below:
+            found.append(
+                (
+                    "dd/gamma_scale_min",
+                    low,
+                    self.scale_below,
+                    f"a layer's median |gain| fell to {low:.3g} x its first read",
+                )
+            )
+        if self.scale_above is not None and math.isfinite(high) and high > self.scale_above:
+            found.append(
+                (
+                    "dd/gamma_scale_max",
+                    high,
+                    self.scale_above,
+                    f"a layer's median |gain| grew to {high:.3g} x its first read",
+                )
+            )
+        if not found:
+            return False, None
+        key, value, threshold, what = found[0]
+        layer = _extreme_layer(metrics, key.rsplit("/", 1)[1].rsplit("_", 1)[0], key)
+        also = "; ".join(f[3] for f in found[1:])
+        return True, Alert(
+            self.name,
+            key,
+            self.step,
+            float(value),
+            float(threshold),
+            f"norm gains drifted at step {self.step}: {what}"
+            + (f" ({layer})" if layer else "")
+            + (f"; {also}" if also else ""),
+            point=layer,
+        )
+
+
+def _extreme_layer(metrics: Mapping[str, float], metric: str, summary: str) -> str | None:
+    """The layer or point whose per-layer ``metric`` gave the run-level ``summary`` key."""
+    target = metrics.get(summary, math.nan)
+    for key, value in metrics.items():
+        if key.startswith("dd/") and key.endswith(f"/{metric}") and value == target:
+            return key[len("dd/") : -len(f"/{metric}")]
+    return None
+
+
+class ScaleGrowthRule(_EpisodeRule):
+    """A stream's scale running away: some residual point's RMS more than ``max_growth`` x its
+    previous read (``dd/rms_growth_max``). The RMS of ``N`` rows is a mean of ``N d`` squares,
+    so its sampling error is far below the factor (no interval). The growth is per read, so
+    its meaning scales with ``every_n_steps``: measured healthy runs grew up to 99x between
+    two reads (the zoo's high-learning-rate twin, steps 1 to 9; 7x at lr 1e-3), diverging ones
+    376-1809x (docs/alerts.md).
+
+    Example::
+
+        >>> rule = ScaleGrowthRule()
+        >>> [a.rule for a in rule.evaluate({"dd/rms_growth_max": 1800.0, "dd/h.1/rms_growth":
+        ...                                 1800.0}, 10)]
+        ['stream_scale_growth']
+        >>> rule.evaluate({"dd/rms_growth_max": 1.1}, 20), rule.firing
+        ([], False)
+    """
+
+    name = "stream_scale_growth"
+
+    def __init__(self, max_growth: float = 300.0) -> None:
+        super().__init__()
+        if not max_growth > 1:
+            raise ValueError(f"ScaleGrowthRule: max_growth must be > 1, got {max_growth}")
+        self.max_growth = float(max_growth)
+
+    def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
+        growth = metrics.get("dd/rms_growth_max", math.nan)
+        if not math.isfinite(growth):
+            return None, None
+        if growth <= self.max_growth:
+            return False, None
+        point = _extreme_layer(metrics, "rms_growth", "dd/rms_growth_max")
+        return True, Alert(
+            self.name,
+            "dd/rms_growth_max",
+            self.step,
+            float(growth),
+            self.max_growth,
+            f"the residual stream's scale ran away at step {self.step}: the RMS at "
+            f"{point or 'a point'} grew {growth:.3g}x since the previous read (> "
+            f"{self.max_growth:g}x)",
+            point=point,
+        )
+
+
 def default_dead_direction_rules(
     kinds: Mapping[str, str],
     sublayers: Mapping[str, str | None] | None,
@@ -912,13 +1282,16 @@ def default_dead_direction_rules(
     kernel_rule: KernelLossRule | None = None,
     kernel: bool = True,
     nonfinite: bool = True,
+    stream: bool = True,
 ) -> list[Any]:
     """The default rules of :class:`~normscope.adapters.lightning.DeadDirectionMonitor`, in the order
     they are evaluated: a :class:`SigmaMinRatioRule` (``SigmaMinRatioRule()`` unless
     ``sigma_rule``), a :class:`KernelLossRule` (``KernelLossRule()`` unless ``kernel_rule``;
     none with ``kernel=False``), then with ``sources`` a :class:`SourceCollapseRule` on the
-    sigma rule, then a :class:`NonFiniteRule` (none with ``nonfinite=False``). The monitor,
-    ``normscope scan`` and ``normscope report`` all build theirs here.
+    sigma rule, then a :class:`NonFiniteRule` (none with ``nonfinite=False``), then the stream
+    rules :class:`RepresentationCollapseRule`, :class:`GainDriftRule` and
+    :class:`ScaleGrowthRule` (none with ``stream=False``; post-norm models included: they read
+    no premise). The monitor, ``normscope scan`` and ``normscope report`` all build theirs here.
 
     ``kinds`` maps norm paths to their declared kind (the kernel rule's ``kinds``);
     ``sublayers`` maps the residual points, in depth order, to their sublayer (the sigma and
@@ -928,11 +1301,14 @@ def default_dead_direction_rules(
     Example::
 
         >>> rules = default_dead_direction_rules({"ln_f": "layernorm"}, {"h.0": "attn"})
+        >>> [r.name for r in rules]  # doctest: +NORMALIZE_WHITESPACE
+        ['sigma_min_collapse', 'layernorm_kernel_lost', 'non_finite_rows',
+         'representation_collapse', 'norm_gain_drift', 'stream_scale_growth']
+        >>> rules = default_dead_direction_rules({}, {}, sources=True, kernel=False, stream=False)
         >>> [r.name for r in rules]
-        ['sigma_min_collapse', 'layernorm_kernel_lost', 'non_finite_rows']
-        >>> [r.name for r in default_dead_direction_rules({}, {}, sources=True, kernel=False)]
         ['sigma_min_collapse', 'source_collapse', 'non_finite_rows']
-        >>> [r.name for r in default_dead_direction_rules({}, None, sources=True, nonfinite=False)]
+        >>> rules = default_dead_direction_rules({}, None, nonfinite=False, stream=False)
+        >>> [r.name for r in rules]
         ['layernorm_kernel_lost']
     """
     rules: list[Any] = []
@@ -950,4 +1326,6 @@ def default_dead_direction_rules(
         rules.append(by_source)
     if nonfinite:
         rules.append(NonFiniteRule())
+    if stream:
+        rules += [RepresentationCollapseRule(), GainDriftRule(), ScaleGrowthRule()]
     return rules

@@ -54,6 +54,13 @@ from normscope.functional.profile import (
     profile_from_sigmas,
     sigma_min_profile,
 )
+from normscope.functional.stream import (
+    effective_rank,
+    gain_drift,
+    nonfinite_share,
+    offset_share,
+    stream_rms,
+)
 from normscope.taps.hooks import (
     Gate,
     Tap,
@@ -231,6 +238,10 @@ class DeadDirectionTracker:
         self.attached = False
         self.last_solves = 0  # jobs this process solved at the last read (a split read: a share)
         self.rank_warned = False  # the one warning about inputs that do not span
+        # the stream reads (docs/metrics.md §1.6): each norm's gamma at the first read (the
+        # gain drift's baseline) and each residual point's RMS at the previous read
+        self.gain_baselines: dict[str, torch.Tensor] = {}
+        self.previous_rms: dict[str, float] = {}
 
     # ------------------------------------------------------------------ hooks
     def discover(self, forward: ForwardFn | None) -> ResidualLayout | None:
@@ -308,6 +319,18 @@ class DeadDirectionTracker:
             self._sources_off("the residual profile is not read (no residual points)")
         self._apply_rows()
         self.attached = True
+        self.snapshot_gain_baselines()
+
+    def snapshot_gain_baselines(self) -> None:
+        """Keep each norm's gamma as the gain drift's baseline (docs/metrics.md §1.6), once:
+        a monitor's first batch, before its update (a gain the first step throws across zero
+        is seen by the first read), else :meth:`attach`."""
+        for norm in self.norms:
+            if norm.name not in self.gain_baselines:
+                try:
+                    self.gain_baselines[norm.name] = norm.gamma()
+                except Exception:  # noqa: BLE001 - the first read sets it instead
+                    continue
 
     # ------------------------------------------------------------------ rows
     def share_rows(self, forwards: int) -> None:
@@ -585,6 +608,9 @@ class DeadDirectionReport:
     sources: dict[str, SigmaMinProfile] = field(default_factory=dict)
     #: the rule whose threshold classifies a collapse (``SigmaMinRatioRule()`` if None)
     source_rule: Any = None
+    #: the stream reads (docs/metrics.md §1.6), keyed as logged without ``dd/``:
+    #: ``<point>/offset_share``, ``<norm>/rankme``, ``gamma_scale_min``... (:func:`stream_keys`)
+    stream: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -626,6 +652,8 @@ class DeadDirectionReport:
         if self.sources:
             out.update(source_reads(self.sources, key_path))
             out.update(collapse_keys(out, self.source_rule))
+        for key, value in self.stream.items():
+            out[f"{FAMILY}/{key_path(key)}"] = float(value)
         return out
 
     @property
@@ -738,6 +766,7 @@ class ReadRecords:
     profile_failure: str | None = None
     sources: dict[str, Any] = field(default_factory=dict)
     sources_failure: str | None = None
+    stream: dict[str, float] = field(default_factory=dict)  # stream_reads of the window
     solves: int = 0  # jobs this rank solved (tests: each rank solves its share only)
     error: str | None = None  # the solve itself failed: the monitor disables itself
 
@@ -828,6 +857,7 @@ def _jobs(window: ReadWindow) -> list[tuple[str, Any]]:
         covered = set(_covered(window).values())
         jobs += [("point", k) for k in range(len(window.point_taps)) if k not in covered]
         jobs += [("source", name) for name in window.sources or {}]
+    jobs.append(("stream", None))  # docs/metrics.md §1.6, one job for the whole window
     return jobs
 
 
@@ -863,9 +893,13 @@ def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, ou
         elif kind == "source":
             assert window.sources is not None
             out.sources.update(read_sources_of({what: window.sources[what]}, window.layout))
+        elif kind == "stream":
+            out.stream.update(stream_reads(window))
     except Exception as err:  # noqa: BLE001
         why = f"{type(err).__name__}: {err}"
-        if kind == "source":
+        if kind == "stream":
+            out.stream["stream_failed"] = 1.0  # the other reads stand; these are NaN
+        elif kind == "source":
             out.sources_failure = out.sources_failure or why
         else:
             out.profile_failure = out.profile_failure or why
@@ -941,6 +975,87 @@ def read_norm(
     cov_in = tap_in.accumulator.covariance()
     read = input_reads(cov_in, g, n_in, declared_kind=norm.kind, placement=placement)
     return NormReport(norm.name, norm.kind, g, kernel, read.schur, read.depth, n_out, read.spectrum)
+
+
+def stream_reads(window: ReadWindow) -> dict[str, float]:
+    """The window's stream reads that need its accumulators (docs/metrics.md §1.6), keyed as
+    logged without ``dd/``: each residual point's ``offset_share`` and ``rms``, each norm
+    layer's ``out_offset_share`` (of its output), and the final norm's output ``rankme`` (of
+    its second moment, as Garrido et al.) and ``rankme_centred`` (of its covariance)."""
+    out: dict[str, float] = {}
+    points = window.layout.points if window.layout is not None else ()
+    if window.profile_on and len(points) == len(window.point_taps):
+        for point, tap in zip(points, window.point_taps):
+            acc = tap.accumulator
+            var, n = acc.comoment.diagonal() / max(acc.count, 1), acc.count
+            out[f"{point.name}/offset_share"] = offset_share(acc.mean, var, n)
+            out[f"{point.name}/rms"] = stream_rms(acc.mean, var, n)
+    for norm in window.norms:
+        if norm.name in window.skip:
+            continue
+        acc = window.norm_taps[norm.name][1].accumulator
+        var = acc.comoment.diagonal() / max(acc.count, 1)
+        out[f"{norm.name}/out_offset_share"] = offset_share(acc.mean, var, acc.count)
+    final = window.layout.final_norm if window.layout is not None else None
+    if final is not None and final in window.norm_taps and final not in window.skip:
+        acc = window.norm_taps[final][1].accumulator
+        out[f"{final}/rankme"] = effective_rank(acc.second_moment(), acc.count)
+        out[f"{final}/rankme_centred"] = effective_rank(acc.covariance(), acc.count)
+        out["final_rows_per_dim"] = acc.count / acc.dim
+    return out
+
+
+def stream_keys(
+    tracker: DeadDirectionTracker, window: ReadWindow, solved: dict[str, float]
+) -> dict[str, float]:
+    """Every stream read of a window (docs/metrics.md §1.6): ``solved`` (:func:`stream_reads`)
+    with the reads that need the tracker's memory, and the run-level summaries. Sets each
+    norm's gain baseline at its first read and keeps each point's RMS for the next read."""
+    out = dict(solved)
+    for norm in window.norms:
+        gamma = window.gammas.get(norm.name)
+        if not isinstance(gamma, torch.Tensor) or gamma.ndim != 1 or gamma.numel() == 0:
+            continue
+        base = tracker.gain_baselines.setdefault(  # set at attach; else by this first read
+            norm.name, gamma.detach().to(torch.float64).clone()
+        )
+        if base.shape != gamma.shape:
+            continue
+        scale, crossed = gain_drift(gamma, base.to(gamma.device))
+        out[f"{norm.name}/gamma_scale"] = scale
+        out[f"{norm.name}/gamma_crossed"] = crossed
+    points = window.layout.points if window.layout is not None else ()
+    for point in points:
+        rms = out.get(f"{point.name}/rms", math.nan)
+        before = tracker.previous_rms.get(point.name, math.nan)
+        out[f"{point.name}/rms_growth"] = rms / before if before > 0 else math.nan
+        if math.isfinite(rms):
+            tracker.previous_rms[point.name] = rms
+    shares = [
+        nonfinite_share(t.accumulator.rows_rejected, t.accumulator.count)
+        for t in window.taps
+        if t.failed is None and hasattr(t.accumulator, "rows_rejected")
+    ]
+    out["nonfinite_share"] = max(shares, default=0.0)
+
+    def extreme(metric: str, pick: Any) -> float:
+        found = [v for k, v in out.items() if k.endswith(f"/{metric}") and math.isfinite(v)]
+        return pick(found) if found else math.nan
+
+    out["offset_share_max"] = extreme("offset_share", max)
+    out["rms_growth_max"] = extreme("rms_growth", max)
+    out["gamma_scale_min"] = extreme("gamma_scale", min)
+    out["gamma_scale_max"] = extreme("gamma_scale", max)
+    out["gamma_crossed_max"] = extreme("gamma_crossed", max)
+    if points:
+        last = points[-1].name
+        out["final_offset_share"] = out.get(f"{last}/offset_share", math.nan)
+    final = window.layout.final_norm if window.layout is not None else None
+    if final is not None:
+        out["final_out_offset_share"] = out.get(f"{final}/out_offset_share", math.nan)
+        out["final_rankme"] = out.get(f"{final}/rankme", math.nan)
+        out["final_rankme_centred"] = out.get(f"{final}/rankme_centred", math.nan)
+    return out
 
 
 def anchors(layout: ResidualLayout | None) -> bool:
@@ -1061,6 +1176,7 @@ def finish_report(
         merged.norm_failures.update(part.norm_failures)
         merged.sigmas.update(part.sigmas)
         merged.sources.update(part.sources)
+        merged.stream.update(part.stream)
         merged.profile_failure = merged.profile_failure or part.profile_failure
         merged.sources_failure = merged.sources_failure or part.sources_failure
     norms: dict[str, NormReport] = {}
@@ -1091,7 +1207,10 @@ def finish_report(
     failed.update({f"{name}:read": why for name, why in tracker.failed_reads.items()})
     if tracker.profile_failed is not None:
         failed["profile:read"] = tracker.profile_failed
-    report = DeadDirectionReport(window.step, norms, profile, window.layout, rejected, failed)
+    stream = stream_keys(tracker, window, merged.stream)
+    report = DeadDirectionReport(
+        window.step, norms, profile, window.layout, rejected, failed, stream=stream
+    )
     split = tracker.split
     if window.sources is not None and profile is not None and split is not None:
         if merged.sources_failure is not None:
@@ -1288,6 +1407,7 @@ class DeadDirectionFamily:
         ``example_forward`` or on a compiled model -- attach now with a forward of the
         family's own. Returns ``(discovering, compiled)``."""
         assert self.tracker is not None
+        self.tracker.snapshot_gain_baselines()  # the gains before the first step's update
         is_compiled = compiled(model)
         if self.tracker.residual and self.example_forward is None and not is_compiled:
             try:

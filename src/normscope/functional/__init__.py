@@ -28,6 +28,13 @@ from normscope.functional.profile import (
     sigma_min_profile,
 )
 from normscope.functional.retention import RetentionRead, sublayer_retention
+from normscope.functional.stream import (
+    effective_rank,
+    gain_drift,
+    nonfinite_share,
+    offset_share,
+    stream_rms,
+)
 
 __all__ = ["DiagonalMoment", "StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
 __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "kernel_read"]
@@ -36,6 +43,7 @@ __all__ += ["RetentionRead", "sublayer_retention"]
 __all__ += ["ProfilePoint", "SigmaMinProfile", "sigma_min"]
 __all__ += ["sigma_min_profile"]
 __all__ += ["DepthRead", "direction_depth", "PLACEMENTS", "POST_NORM", "centring_residual"]
+__all__ += ["effective_rank", "gain_drift", "nonfinite_share", "offset_share", "stream_rms"]
 
 from normscope.functional.sign_magnitude import (  # noqa: E402
     OutlierRead,

@@ -1,0 +1,185 @@
+"""Reads of a tapped stream's own shape and scale, from what an accumulator already holds
+(docs/metrics.md §1.6): the offset share, the RMS and its growth, the effective rank (RankMe),
+the gain drift against a baseline gamma, the share of non-finite rows.
+
+Every function is pure, works in float64 and returns a float (NaN where the rows cannot answer:
+no rows, a non-finite moment). They take the accumulator's parts, not the accumulator: the
+``mean`` ``mu`` (``(d,)``), the diagonal of the centred covariance ``C`` or the whole of it, and
+the row count ``N`` (:class:`~normscope.functional.covariance.StreamingCovariance`'s ``mean``,
+``covariance()``, ``count``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from normscope.functional.covariance import symmetric_eigvalsh
+from normscope.functional.gamma import gamma_vector, row_count, square_matrix
+
+__all__ = [
+    "effective_rank",
+    "gain_drift",
+    "nonfinite_share",
+    "offset_share",
+    "stream_rms",
+]
+
+_NAN = math.nan
+
+
+def _vector(x: torch.Tensor, where: str, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.ndim != 1 or x.numel() == 0 or x.is_complex():
+        got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{where}: {what} must be a real non-empty 1-D tensor (d,), got {got}")
+    return x.detach().to(torch.float64)
+
+
+def offset_share(mean: torch.Tensor, variance: torch.Tensor, n_rows: int) -> float:
+    """``||mu||^2 / (||mu||^2 + tr C)``: the share of the mean squared row norm
+    ``E||x||^2 = ||mu||^2 + tr C`` that is the mean row, one vector shared by every row.
+
+    ``variance``: the diagonal of the centred covariance ``C`` (``(d,)``), or ``C`` itself.
+    0 for rows centred on the origin, 1 when every row is the same vector. NaN without rows or
+    with a non-finite moment (or ``E||x||^2 = 0``). With ``N`` rows ``tr C`` is read low by a
+    factor ``(N - 1) / N`` (population covariance), so the share is read high by at most
+    ``1 / N`` of the spread.
+
+    Example::
+
+        >>> offset_share(torch.tensor([3.0, 0.0]), torch.tensor([1.0, 0.0]), 8)
+        0.9
+        >>> offset_share(torch.zeros(2), torch.eye(2), 8)
+        0.0
+        >>> offset_share(torch.zeros(2), torch.zeros(2), 0)
+        nan
+    """
+    where = "offset_share"
+    mu = _vector(mean, where, "mean")
+    var = variance
+    if isinstance(var, torch.Tensor) and var.ndim == 2:
+        var = square_matrix(var, where, "variance").diagonal()
+    var = _vector(var, where, "variance")
+    if var.shape != mu.shape:
+        raise ValueError(f"{where}: mean {tuple(mu.shape)} and variance {tuple(var.shape)} differ")
+    if row_count(n_rows, where) == 0:
+        return _NAN
+    offset = float(mu.square().sum())
+    total = offset + float(var.sum())
+    if not (math.isfinite(total) and total > 0):
+        return _NAN
+    return offset / total
+
+
+def stream_rms(mean: torch.Tensor, variance: torch.Tensor, n_rows: int) -> float:
+    """The rows' root mean square entry ``sqrt((||mu||^2 + tr C) / d)``: the stream's scale.
+
+    The growth of a point's scale between two reads is the ratio of two of these (the second
+    over the first). NaN without rows or with a non-finite moment.
+
+    Example::
+
+        >>> stream_rms(torch.tensor([1.0, 1.0]), torch.tensor([3.0, 3.0]), 8)
+        2.0
+        >>> stream_rms(torch.zeros(2), torch.ones(2), 0)
+        nan
+    """
+    where = "stream_rms"
+    mu = _vector(mean, where, "mean")
+    var = variance
+    if isinstance(var, torch.Tensor) and var.ndim == 2:
+        var = square_matrix(var, where, "variance").diagonal()
+    var = _vector(var, where, "variance")
+    if var.shape != mu.shape:
+        raise ValueError(f"{where}: mean {tuple(mu.shape)} and variance {tuple(var.shape)} differ")
+    if row_count(n_rows, where) == 0:
+        return _NAN
+    total = float(mu.square().sum()) + float(var.sum())
+    if not (math.isfinite(total) and total >= 0):
+        return _NAN
+    return math.sqrt(total / mu.numel())
+
+
+def effective_rank(moment: torch.Tensor, n_rows: int) -> float:
+    """RankMe (Garrido et al. 2023): ``exp(-sum_k p_k log p_k)`` with ``p_k = s_k / sum s``,
+    ``s_k`` the singular values of the ``N x d`` row matrix, here ``sqrt(N lambda_k)`` from the
+    eigenvalues ``lambda_k`` of its second moment ``moment`` (``(d, d)``; ``N`` cancels).
+
+    Between 1 (every row on one line) and ``min(N, d)`` (a flat spectrum). Pass the uncentred
+    second moment ``S = C + mu mu^T`` for RankMe as published (a shared offset counts as a
+    direction), or the covariance ``C`` for the rank of the spread about the mean (at most
+    ``N - 1``). Caveat: with few rows per dimension the sample spectrum is spread wider than the
+    true one (Marchenko-Pastur), which reads the rank low; read it at ``N >= 4 d``.
+    NaN under 2 rows or with a non-finite moment.
+
+    Example::
+
+        >>> effective_rank(torch.eye(4), 100)
+        4.0
+        >>> round(effective_rank(torch.diag(torch.tensor([1.0, 1e-12])), 100), 5)
+        1.00001
+        >>> effective_rank(torch.eye(4), 1)
+        nan
+    """
+    where = "effective_rank"
+    m = square_matrix(moment, where, "moment")
+    if row_count(n_rows, where) < 2 or not bool(torch.isfinite(m).all()):
+        return _NAN
+    lam = symmetric_eigvalsh(m).clamp_min(0.0)
+    s = lam.sqrt()
+    total = float(s.sum())
+    if not (math.isfinite(total) and total > 0):
+        return _NAN
+    p = s / total
+    p = p[p > 0]
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def gain_drift(gamma: torch.Tensor, baseline: torch.Tensor) -> tuple[float, float]:
+    """A norm layer's gain against a baseline read of it: ``(scale, crossed)``.
+
+    ``scale`` is ``median |gamma| / median |gamma_0|`` (the lower median of an even count, as
+    ``torch.median``; 1: unchanged; a uniform weight decay
+    of the gains takes it towards 0; NaN when the baseline's median is 0 or either is
+    non-finite). ``crossed`` is the share of the channels whose gain changed sign since the
+    baseline (channels with a zero or non-finite gain in either read count as not crossed; NaN
+    when none is left). Parameters only: no rows, no row-count caveat.
+
+    Example::
+
+        >>> gain_drift(torch.tensor([0.5, -1.0, 1.5, 2.0]), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        (0.5, 0.25)
+        >>> gain_drift(torch.ones(3), torch.zeros(3))
+        (nan, nan)
+    """
+    where = "gain_drift"
+    g = gamma_vector(gamma, where)
+    g0 = gamma_vector(baseline, where)
+    if g.shape != g0.shape:
+        raise ValueError(f"{where}: gamma {tuple(g.shape)} and baseline {tuple(g0.shape)} differ")
+    base = float(g0.abs().median())
+    now = float(g.abs().median())
+    scale = now / base if math.isfinite(now) and math.isfinite(base) and base > 0 else _NAN
+    live = torch.isfinite(g) & torch.isfinite(g0) & (g0 != 0) & (g != 0)
+    n = int(live.sum())
+    crossed = float((g[live].sign() != g0[live].sign()).sum()) / n if n else _NAN
+    return scale, crossed
+
+
+def nonfinite_share(rejected: int, n_rows: int) -> float:
+    """The share of a window's rows that held NaN or Inf: ``rejected / (rejected + N)``, with
+    ``N`` the finite rows kept (0 for a window without rows).
+
+    Rows are subsampled before they are tested, so this is a share of the sampled rows.
+
+    Example::
+
+        >>> nonfinite_share(32, 480)
+        0.0625
+        >>> nonfinite_share(0, 0)
+        0.0
+    """
+    rejected = row_count(rejected, "nonfinite_share")
+    n = row_count(n_rows, "nonfinite_share")
+    return rejected / (rejected + n) if rejected + n else 0.0
