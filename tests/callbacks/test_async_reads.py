@@ -192,7 +192,10 @@ def test_a_checkpoint_with_a_read_in_flight_holds_it(tmp_path):
     state = next(v for k, v in saved["callbacks"].items() if k.startswith("DeadDirection"))
     assert state["reads"] == monitor.reads == 2
     assert state["last_read_step"] == 4
-    assert state["family"] == {}  # the family keeps nothing between reads
+    # the stream reads' baselines only (delta_gamma needs none): gains at the first batch,
+    # each point's RMS at the last read
+    assert set(state["family"]) == {"gain_baselines", "previous_rms"}
+    assert state["family"]["previous_rms"] == monitor.tracker.previous_rms
 
 
 def test_the_default_is_off_in_plain_loops_and_reports_come_at_the_publish(tmp_path):

@@ -97,9 +97,14 @@ def test_dead_direction_monitor_resumes_a_run_killed_mid_window(tmp_path, ckpt):
     assert logged_steps(rows, "train/loss") == list(range(start, STEPS))
     state = saved["callbacks"][second.state_key]
     assert second.reads == state["reads"] + len(steps)
-    # no baseline to carry: Delta_gamma stands on each window with its own control, so the
-    # first read after the restart already has it
-    assert state["family"] == {}
+    # no baseline for Delta_gamma: it stands on each window with its own control, so the
+    # first read after the restart already has it; the gain drift keeps the first run's gains
+    # at its first batch (not the resumed run's), the RMS growth the last read's RMS
+    saved = state["family"]["gain_baselines"]
+    assert set(saved) == set(first.tracker.gain_baselines) == set(second.tracker.gain_baselines)
+    for name, gains in saved.items():
+        assert torch.equal(second.tracker.gain_baselines[name].cpu().double(), gains.double())
+        assert torch.equal(first.tracker.gain_baselines[name].cpu().double(), gains.double())
     for r in rows_with(rows, "dd/sigma_min_ratio_min"):
         deltas = [k for k in r if k.endswith("/delta_gamma") and r[k] != ""]
         assert deltas

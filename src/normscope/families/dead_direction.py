@@ -1366,6 +1366,7 @@ class DeadDirectionFamily:
         self.max_sources = max_sources
         self.tracker: DeadDirectionTracker | None = None
         self._discovering = False
+        self._saved: dict[str, Any] = {}  # state loaded before the tracker existed
 
     # ------------------------------------------------------------ set-up
     def check_loop(self, precision: str) -> None:
@@ -1394,6 +1395,7 @@ class DeadDirectionFamily:
         except (TypeError, ValueError) as err:  # NormDiscoveryError is a ValueError
             raise ConfigurationError(f"{self.kind}: {err}") from err
         self.tracker.source_rule = self.sigma_rule
+        self._restore()  # a resumed run's stream baselines, before the first batch sets any
         if self.kernel_rule is not None:
             self.kernel_rule.kinds = {key_path(n.name): n.kind for n in self.tracker.norms}
 
@@ -1624,13 +1626,35 @@ class DeadDirectionFamily:
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Nothing: every read of this family stands on its own window (no baseline read)."""
-        return {}
+        """What the stream reads compare with (docs/metrics.md §1.6): each norm's gains at the
+        monitor's first batch (the gain drift's baseline, ``d`` floats a norm) and each
+        residual point's RMS at the last read (its growth). The dead-direction reads
+        themselves stand on their own window (``delta_gamma`` needs no baseline)."""
+        tracker = self.tracker
+        if tracker is None:
+            return dict(self._saved)
+        return {
+            "gain_baselines": {k: v.detach().cpu() for k, v in tracker.gain_baselines.items()},
+            "previous_rms": dict(tracker.previous_rms),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Accepts any saved state (older checkpoints held Delta_gamma baselines, no longer
-        used)."""
-        return None
+        """Resume the stream reads' baselines (keys of older checkpoints are ignored)."""
+        self._saved = {
+            "gain_baselines": {
+                str(k): torch.as_tensor(v, dtype=torch.float64)
+                for k, v in state.get("gain_baselines", {}).items()
+            },
+            "previous_rms": {str(k): float(v) for k, v in state.get("previous_rms", {}).items()},
+        }
+        if self.tracker is not None:
+            self._restore()
+
+    def _restore(self) -> None:
+        assert self.tracker is not None
+        saved = self._saved
+        self.tracker.gain_baselines.update(saved.get("gain_baselines", {}))
+        self.tracker.previous_rms.update(saved.get("previous_rms", {}))
 
     def describe(self) -> str:
         """One line on what is read (for a person)."""
