@@ -13,10 +13,14 @@ a log-spread column scale, so that the spectrum spans six decades as a trained m
                           the bottom pairs and the live floor (functional/solvers.py);
 * ``schur_quotient``   -- one norm's input read: a Cholesky factor and a triangular solve;
 * ``sigma_min``        -- one residual point, ``solver="dense"``: an eigvalsh of the second moment;
-* ``sigma_min_fast``   -- the same, ``solver="fast"``: one Cholesky and shift-invert Lanczos.
+* ``sigma_min_fast``   -- the same, ``solver="fast"``: one Cholesky and shift-invert Lanczos;
+* ``input_reads``      -- one norm's input read as the monitor takes it since issue 33.
 
 "layer + point" is ``kernel_read + schur_quotient + sigma_min`` (one norm layer and its residual
-point), dense and fast, in units of the same run's ``symmetric_eigh``.
+point), dense and fast, in units of the same run's ``symmetric_eigh``; "now" is what the monitor
+runs since issue 33: ``kernel_read`` (fast) + ``input_reads`` (one ``eigh`` of the input
+covariance for ``delta_gamma``, its control and the Schur quotient; the point's ``sigma_min``
+from the same eigenpairs by the secular equation, O(d)).
 
 Part 2, a whole :meth:`DeadDirectionTracker.read` on the example GPT (``examples/nanogpt.py``)
 at several depths and widths, the accumulators filled by one sampled forward of ``2d`` tokens
@@ -51,6 +55,7 @@ from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
 from normscope.families.dead_direction import DeadDirectionTracker  # noqa: E402
 from normscope.functional import (  # noqa: E402
+    input_reads,
     kernel_read,
     schur_quotient,
     sigma_min,
@@ -66,6 +71,7 @@ PRIMITIVES = (
     "schur_quotient",
     "sigma_min",
     "sigma_min_fast",
+    "input_reads",
 )
 
 
@@ -115,6 +121,7 @@ def primitive_costs(
         "schur_quotient": lambda: schur_quotient(c, gamma, n),
         "sigma_min": lambda: sigma_min(c, n, solver="dense"),
         "sigma_min_fast": lambda: sigma_min(c, n),
+        "input_reads": lambda: input_reads(c, gamma, n),
     }
     return {k: median_time(calls[k], device, repeats, warmup)[0] for k in only}
 
@@ -259,11 +266,12 @@ def main() -> None:
 
     prim_table = markdown_table(
         ["d", *[f"{k} ms" for k in PRIMITIVES], "layer + point dense (x eigh)",
-         "layer + point fast (x eigh)", "eigh GFLOP/s (9 d^3)"],
+         "layer + point fast (x eigh)", "layer + point now (x eigh)", "eigh GFLOP/s (9 d^3)"],
         [
             [p["d"], *[ms(p, k) for k in PRIMITIVES],
              eighs(p, "kernel_read", "schur_quotient", "sigma_min"),
              eighs(p, "kernel_read_fast", "schur_quotient", "sigma_min_fast"),
+             eighs(p, "kernel_read_fast", "input_reads"),
              f"{9 * p['d'] ** 3 / p['symmetric_eigh'] / 1e9:.1f}"]
             for p in prim
         ],
@@ -284,8 +292,8 @@ def main() -> None:
         if width in by_d:
             p = by_d[width]
             r["predicted_read_s"] = (
-                r["norms"] * (p["kernel_read_fast"] + p["schur_quotient"])
-                + r["points"] * p["sigma_min_fast"]
+                r["norms"] * (p["kernel_read_fast"] + p["input_reads"])
+                + max(r["points"] - r["norms"], 0) * p["sigma_min_fast"]
             )
         cost = r["read_s"] + r["sampled_extra_s"]
         r["every_1pct"] = every_for(cost, r["step_s"], 0.01)

@@ -17,7 +17,7 @@ from normscope.functional.dead_direction import (
     rows_comparable,
     schur_quotient,
 )
-from normscope.functional.depth import DepthRead, direction_depth
+from normscope.functional.depth import DepthRead, InputRead, direction_depth, input_reads
 from normscope.functional.kernel import centring_residual
 from normscope.functional.moments import DiagonalMoment
 from normscope.functional.premise import PLACEMENTS, POST_NORM
@@ -42,6 +42,7 @@ __all__ += ["predicted_kernel", "rmsnorm_alignment_max", "rows_comparable", "sch
 __all__ += ["RetentionRead", "sublayer_retention"]
 __all__ += ["ProfilePoint", "SigmaMinProfile", "sigma_min"]
 __all__ += ["sigma_min_profile"]
+__all__ += ["InputRead", "input_reads"]
 __all__ += ["DepthRead", "direction_depth", "PLACEMENTS", "POST_NORM", "centring_residual"]
 __all__ += ["effective_rank", "gain_drift", "nonfinite_share", "offset_share", "stream_rms"]
 
