@@ -139,7 +139,7 @@ def test_log_per_layer_on_32_layers():
     run_level = {k for k in full if k.count("/") == 1}
     assert run_level <= set(logged)
     layers = {k.rsplit("/", 1)[0] for k in set(logged) - run_level}
-    assert 3 <= len(layers) <= 9 and len(logged) < 250  # measured 232
+    assert 3 <= len(layers) <= 9 and len(logged) < 330  # measured 299 (issue 32: 232 before)
     assert all(loops.same_float(logged[k], full[k]) for k in logged)
     worst = min(
         (v, k) for k, v in full.items() if k.endswith("/sigma_min_step") and math.isfinite(v)

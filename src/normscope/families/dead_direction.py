@@ -438,12 +438,21 @@ class DeadDirectionTracker:
                 f"{k[0]}|{k[1]}": t.accumulator.state_dict() for k, t in self.taps.taps.items()
             },
             "cross": [acc.state_dict() for acc in self.cross_moments()],
+            "gain_baselines": {k: v.detach().cpu() for k, v in self.gain_baselines.items()},
+            "previous_rms": dict(self.previous_rms),
             **({"sources": self.split.state_dict()} if self.split is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.baselines = dict(state.get("baselines", {}))
         self.baseline_rows = {k: int(v) for k, v in state.get("baseline_rows", {}).items()}
+        self.gain_baselines.update(
+            {
+                k: torch.as_tensor(v, dtype=torch.float64)
+                for k, v in state.get("gain_baselines", {}).items()
+            }
+        )
+        self.previous_rms.update({k: float(v) for k, v in state.get("previous_rms", {}).items()})
         for key, acc_state in state.get("taps", {}).items():
             name, where = key.rsplit("|", 1)
             tap = self.taps.taps.get((name, where))
@@ -906,7 +915,8 @@ def stream_keys(
     for point in points:
         rms = out.get(f"{point.name}/rms", math.nan)
         before = tracker.previous_rms.get(point.name, math.nan)
-        out[f"{point.name}/rms_growth"] = rms / before if before > 0 else math.nan
+        if before > 0:  # no previous read: no key (a NaN would say a read failed)
+            out[f"{point.name}/rms_growth"] = rms / before
         if math.isfinite(rms):
             tracker.previous_rms[point.name] = rms
     shares = [
@@ -921,7 +931,7 @@ def stream_keys(
         return pick(found) if found else math.nan
 
     out["offset_share_max"] = extreme("offset_share", max)
-    out["rms_growth_max"] = extreme("rms_growth", max)
+    out["rms_growth_max"] = extreme("rms_growth", max)  # NaN at the first read
     out["gamma_scale_min"] = extreme("gamma_scale", min)
     out["gamma_scale_max"] = extreme("gamma_scale", max)
     out["gamma_crossed_max"] = extreme("gamma_crossed", max)
@@ -1234,6 +1244,7 @@ class DeadDirectionFamily:
         self.tracker.source_rule = self.sigma_rule
         self.tracker.baselines.update(self._saved.get("baselines", {}))
         self.tracker.baseline_rows.update(self._saved.get("baseline_rows", {}))
+        self._restore_stream_memory()
         if self.kernel_rule is not None:
             self.kernel_rule.kinds = {key_path(n.name): n.kind for n in self.tracker.norms}
 
@@ -1456,16 +1467,33 @@ class DeadDirectionFamily:
         tracker = self.tracker
         if tracker is None:
             return {k: dict(v) for k, v in self._saved.items()}
-        return {"baselines": dict(tracker.baselines), "baseline_rows": dict(tracker.baseline_rows)}
+        return {
+            "baselines": dict(tracker.baselines),
+            "baseline_rows": dict(tracker.baseline_rows),
+            # the stream reads' memory (docs/metrics.md §1.6): gain baselines, last RMS
+            "gain_baselines": {
+                k: v.detach().cpu().tolist() for k, v in tracker.gain_baselines.items()
+            },
+            "previous_rms": dict(tracker.previous_rms),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._saved = {
             "baselines": {str(k): float(v) for k, v in state.get("baselines", {}).items()},
             "baseline_rows": {str(k): int(v) for k, v in state.get("baseline_rows", {}).items()},
+            "gain_baselines": {str(k): list(v) for k, v in state.get("gain_baselines", {}).items()},
+            "previous_rms": {str(k): float(v) for k, v in state.get("previous_rms", {}).items()},
         }
         if self.tracker is not None:
             self.tracker.baselines.update(self._saved["baselines"])
             self.tracker.baseline_rows.update(self._saved["baseline_rows"])
+            self._restore_stream_memory()
+
+    def _restore_stream_memory(self) -> None:
+        assert self.tracker is not None
+        for name, gains in self._saved.get("gain_baselines", {}).items():
+            self.tracker.gain_baselines[name] = torch.tensor(gains, dtype=torch.float64)
+        self.tracker.previous_rms.update(self._saved.get("previous_rms", {}))
 
     def describe(self) -> str:
         """One line on what is read (for a person)."""
