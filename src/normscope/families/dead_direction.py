@@ -931,7 +931,8 @@ def stream_keys(
         return pick(found) if found else math.nan
 
     out["offset_share_max"] = extreme("offset_share", max)
-    out["rms_growth_max"] = extreme("rms_growth", max)  # NaN at the first read
+    if any(k.endswith("/rms_growth") for k in out):  # none at the first read
+        out["rms_growth_max"] = extreme("rms_growth", max)
     out["gamma_scale_min"] = extreme("gamma_scale", min)
     out["gamma_scale_max"] = extreme("gamma_scale", max)
     out["gamma_crossed_max"] = extreme("gamma_crossed", max)
