@@ -102,11 +102,12 @@ def test_log_per_layer_keeps_run_level_keys_and_the_worst_layers(wandb_run):
     run = read_wandb_run(tmp)
     rows = [r for r in run.history if "dd/sigma_min_ratio_min" in r]
     full = monitor.last_report.as_dict()
-    run_level = {k for k in full if k.count("/") == 1}
+    # every run-level key but the growth since the previous read (none at the first read)
+    run_level = {k for k in full if k.count("/") == 1 and k != "dd/rms_growth_max"}
     for row in rows:
         keys = {k for k in row if k.startswith("dd/")}
         assert run_level <= keys
-        layers = {k.rsplit("/", 1)[0] for k in keys - run_level}
+        layers = {k.rsplit("/", 1)[0] for k in keys if k.count("/") > 1}
         assert 1 <= len(layers) <= 3
     dip = min(rows, key=lambda r: r["dd/sigma_min_ratio_min"])
     assert "dd/model.ln_f/sigma_min_step" in dip  # the sublayer that shrank the stream
@@ -139,7 +140,7 @@ def test_log_per_layer_on_32_layers():
     run_level = {k for k in full if k.count("/") == 1}
     assert run_level <= set(logged)
     layers = {k.rsplit("/", 1)[0] for k in set(logged) - run_level}
-    assert 3 <= len(layers) <= 9 and len(logged) < 250  # measured 232
+    assert 3 <= len(layers) <= 9 and len(logged) < 330  # measured 299 (issue 32: 232 before)
     assert all(loops.same_float(logged[k], full[k]) for k in logged)
     worst = min(
         (v, k) for k, v in full.items() if k.endswith("/sigma_min_step") and math.isfinite(v)

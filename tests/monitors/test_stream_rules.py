@@ -104,12 +104,13 @@ def test_scan_of_a_collapsed_model_alerts_and_its_twin_does_not():
     assert collapsed["dd/final_out_offset_share"] > 0.995
     assert collapsed["dd/final_rankme_centred"] > 0.5 * 16  # the rest is isotropic noise
     assert healthy["dd/final_out_offset_share"] < 0.5
-    rule = RepresentationCollapseRule()
-    assert [a.rule for a in rule.evaluate(collapsed, 0)] == ["representation_collapse"]
-    assert RepresentationCollapseRule().evaluate(healthy, 0) == []
-    # the monitor's default rules on the one read, as normscope scan judges it
+    rule = RepresentationCollapseRule()  # two reads in a row
+    assert rule.evaluate(collapsed, 0) == []
+    assert [a.rule for a in rule.evaluate(collapsed, 1)] == ["representation_collapse"]
+    assert RepresentationCollapseRule(patience=1).evaluate(healthy, 0) == []
+    # the monitor's default rules on two such reads, as a re-evaluated log would see them
     rules = default_dead_direction_rules({}, None, kernel=False)
-    fired = {a.rule for r in rules for a in r.evaluate(collapsed, 0)}
+    fired = {a.rule for step in (0, 1) for r in rules for a in r.evaluate(collapsed, step)}
     assert fired == {"representation_collapse"}, fired
 
 
@@ -118,13 +119,16 @@ def test_a_shared_vector_with_structured_rest_is_not_a_complete_collapse():
     few directions (centred RankMe 12 of 64): no alert; the same with noise-like rest: one."""
     base = {"dd/ln_f/rankme": 1.2, "dd/ln_f/n_rows": 1024.0, "dd/final_rows_per_dim": 16.0}
     base["dd/final_out_offset_share"] = 0.9999
-    assert RepresentationCollapseRule().evaluate({**base, "dd/final_rankme_centred": 12.2}, 9) == []
-    got = RepresentationCollapseRule().evaluate({**base, "dd/final_rankme_centred": 48.9}, 9)
+    one = RepresentationCollapseRule(patience=1)
+    assert one.evaluate({**base, "dd/final_rankme_centred": 12.2}, 9) == []
+    got = RepresentationCollapseRule(patience=1).evaluate(
+        {**base, "dd/final_rankme_centred": 48.9}, 9
+    )
     assert [a.rule for a in got] == ["representation_collapse"]
     # rows that cannot tell 0.992 from the 0.99 line: 64 rows, spread interval top above 1%
     few = {**base, "dd/ln_f/n_rows": 64.0, "dd/final_rows_per_dim": 1.0}
     few |= {"dd/final_out_offset_share": 0.992, "dd/final_rankme_centred": 50.0}
-    assert RepresentationCollapseRule().evaluate(few, 9) == []
+    assert RepresentationCollapseRule(patience=1).evaluate(few, 9) == []
 
 
 def test_rules_rearm_after_a_read_that_says_no():

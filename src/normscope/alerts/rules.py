@@ -981,11 +981,16 @@ class NonFiniteRule:
 
 
 class _EpisodeRule:
-    """Fires once when :meth:`check` says True; re-arms after a read where it says False."""
+    """Fires once when :meth:`check` has said True ``patience`` reads in a row; re-arms after a
+    read where it says False (a read that says None changes nothing)."""
 
     name = "episode"
 
-    def __init__(self) -> None:
+    def __init__(self, patience: int = 1) -> None:
+        if patience < 1:
+            raise ValueError(f"{type(self).__name__}: patience must be >= 1, got {patience}")
+        self.patience = int(patience)
+        self.count = 0
         self.firing = False
 
     def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
@@ -997,18 +1002,20 @@ class _EpisodeRule:
         if hit is None:
             return []
         if not hit:
-            self.firing = False
+            self.firing, self.count = False, 0
             return []
-        if self.firing or alert is None:
+        self.count += 1
+        if self.firing or alert is None or self.count < self.patience:
             return []
         self.firing = True
         return [alert]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"firing": self.firing}
+        return {"firing": self.firing, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.firing = bool(state.get("firing", False))
+        self.count = int(state.get("count", 0))
 
 
 def _final_norm(metrics: Mapping[str, float]) -> str | None:
@@ -1057,6 +1064,12 @@ class RepresentationCollapseRule(_EpisodeRule):
       then mostly varies along a few directions (centred RankMe under 18 of 64 in all but 3
       of those reads; one, 39 of 64 at the transient's spike, is the zoo's one false alarm).
 
+    **Two reads in a row** (``patience=2``): a language model's first steps pass through the
+    same state (every token predicts the unigram distribution): the demo GPT of
+    ``examples/plain_loop.py`` reads offset share 0.9941 with centred RankMe 46 of 64 at step 3,
+    and leaves it within steps; one read cannot tell it from a collapse that stays. The cost:
+    a collapse is reported one read after it is first seen.
+
     Without the final norm's reads (``layers=`` without it, a budget that left it out) the rule
     does not decide. Thresholds and the seeds they were chosen on: docs/alerts.md.
 
@@ -1065,11 +1078,12 @@ class RepresentationCollapseRule(_EpisodeRule):
         >>> rule = RepresentationCollapseRule()
         >>> m = {"dd/ln_f/rankme": 2.4, "dd/ln_f/n_rows": 1024.0, "dd/final_rows_per_dim": 16.0,
         ...      "dd/final_out_offset_share": 0.998, "dd/final_rankme_centred": 50.0}
-        >>> [a.rule for a in rule.evaluate(m, 20)]
-        ['representation_collapse']
+        >>> rule.evaluate(m, 10), [a.rule for a in rule.evaluate(m, 20)]  # the second read
+        ([], ['representation_collapse'])
         >>> rule.evaluate({**m, "dd/final_out_offset_share": 0.995}, 30)  # same episode
         []
-        >>> RepresentationCollapseRule().evaluate({**m, "dd/final_rankme_centred": 9.0}, 20)
+        >>> rule = RepresentationCollapseRule(patience=1)
+        >>> rule.evaluate({**m, "dd/final_rankme_centred": 9.0}, 20)  # a structured rest
         []
     """
 
@@ -1081,8 +1095,9 @@ class RepresentationCollapseRule(_EpisodeRule):
         min_spread_rank: float = 0.5,
         z: float = 3.0,
         min_rows: int = 32,
+        patience: int = 2,
     ) -> None:
-        super().__init__()
+        super().__init__(patience)
         if not 0 < alert_above < 1 or not 0 <= min_spread_rank <= 1:
             raise ValueError(
                 "RepresentationCollapseRule: alert_above must be in (0, 1) and min_spread_rank "

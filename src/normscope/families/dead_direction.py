@@ -501,15 +501,25 @@ class DeadDirectionTracker:
 
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
-        """The open window's accumulators."""
+        """The open window's accumulators and the stream reads' memory (gains at the first
+        batch, each point's last RMS)."""
         return {
             "taps": {
                 f"{k[0]}|{k[1]}": t.accumulator.state_dict() for k, t in self.taps.taps.items()
             },
+            "gain_baselines": {k: v.detach().cpu() for k, v in self.gain_baselines.items()},
+            "previous_rms": dict(self.previous_rms),
             **({"sources": self.split.state_dict()} if self.split is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gain_baselines.update(
+            {
+                k: torch.as_tensor(v, dtype=torch.float64)
+                for k, v in state.get("gain_baselines", {}).items()
+            }
+        )
+        self.previous_rms.update({k: float(v) for k, v in state.get("previous_rms", {}).items()})
         for key, acc_state in state.get("taps", {}).items():
             name, where = key.rsplit("|", 1)
             tap = self.taps.taps.get((name, where))
@@ -1028,7 +1038,8 @@ def stream_keys(
     for point in points:
         rms = out.get(f"{point.name}/rms", math.nan)
         before = tracker.previous_rms.get(point.name, math.nan)
-        out[f"{point.name}/rms_growth"] = rms / before if before > 0 else math.nan
+        if before > 0:  # no previous read: no key (a NaN would say a read failed)
+            out[f"{point.name}/rms_growth"] = rms / before
         if math.isfinite(rms):
             tracker.previous_rms[point.name] = rms
     shares = [
@@ -1043,7 +1054,8 @@ def stream_keys(
         return pick(found) if found else math.nan
 
     out["offset_share_max"] = extreme("offset_share", max)
-    out["rms_growth_max"] = extreme("rms_growth", max)
+    if any(k.endswith("/rms_growth") for k in out):  # none at the first read
+        out["rms_growth_max"] = extreme("rms_growth", max)
     out["gamma_scale_min"] = extreme("gamma_scale", min)
     out["gamma_scale_max"] = extreme("gamma_scale", max)
     out["gamma_crossed_max"] = extreme("gamma_crossed", max)

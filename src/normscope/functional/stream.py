@@ -109,7 +109,9 @@ def effective_rank(moment: torch.Tensor, n_rows: int) -> float:
     Between 1 (every row on one line) and ``min(N, d)`` (a flat spectrum). Pass the uncentred
     second moment ``S = C + mu mu^T`` for RankMe as published (a shared offset counts as a
     direction), or the covariance ``C`` for the rank of the spread about the mean (at most
-    ``N - 1``). Caveat: with few rows per dimension the sample spectrum is spread wider than the
+    ``N - 1``). Eigenvalues under ``1e-10 lambda_max`` count as 0: float64 does not resolve
+    them (a LayerNorm output's kernel direction reads about ``1e-15 lambda_max``), and their
+    square roots would make the read depend on the order of the sums. Caveat: with few rows per dimension the sample spectrum is spread wider than the
     true one (Marchenko-Pastur), which reads the rank low; read it at ``N >= 4 d``.
     NaN under 2 rows or with a non-finite moment.
 
@@ -117,8 +119,10 @@ def effective_rank(moment: torch.Tensor, n_rows: int) -> float:
 
         >>> effective_rank(torch.eye(4), 100)
         4.0
-        >>> round(effective_rank(torch.diag(torch.tensor([1.0, 1e-12])), 100), 5)
-        1.00001
+        >>> round(effective_rank(torch.diag(torch.tensor([1.0, 1e-8])), 100), 5)
+        1.00102
+        >>> effective_rank(torch.diag(torch.tensor([1.0, 1e-12])), 100)  # under 1e-10: 0
+        1.0
         >>> effective_rank(torch.eye(4), 1)
         nan
     """
@@ -127,6 +131,7 @@ def effective_rank(moment: torch.Tensor, n_rows: int) -> float:
     if row_count(n_rows, where) < 2 or not bool(torch.isfinite(m).all()):
         return _NAN
     lam = symmetric_eigvalsh(m).clamp_min(0.0)
+    lam = torch.where(lam < 1e-10 * lam.max(), torch.zeros_like(lam), lam)
     s = lam.sqrt()
     total = float(s.sum())
     if not (math.isfinite(total) and total > 0):
