@@ -90,3 +90,18 @@ def test_with_sources_the_default_budget_is_8d_per_tracked_source():
         DeadDirectionTracker(TinyLM(d=D), sources="source", rows_per_read=100).rows_per_forward(D)
         == 100
     )
+
+
+def test_the_budget_goes_to_real_rows_before_padding():
+    """Three quarters of a forward's 512 rows are padding: the 8 d = 128 rows drawn are all
+    real (128 <= 128 kept), not a quarter of them as a draw blind to the mask would give."""
+    torch.manual_seed(0)
+    model = TinyLM(d=D)
+    x = torch.randint(0, 32, (16, 32))
+    mask = torch.zeros(16, 32, dtype=torch.long)
+    mask[:, :8] = 1  # 128 real rows
+    tracker = DeadDirectionTracker(model)
+    tracker.attach(forward=lambda: model(x))
+    with tracker.gate.sampling(mask=mask):
+        model(x)
+    assert counts(tracker) == {128}

@@ -307,9 +307,10 @@ class DeadDirectionTracker:
     def share_rows(self, forwards: int) -> None:
         """Share each read's row budget (``rows_per_read``) among ``forwards`` forwards: the
         micro-batches of one optimiser step times the ranks. Every tap then folds at most
-        ``ceil(budget / forwards)`` rows of each forward (a seeded uniform subsample, before
-        the padding mask), so a window folds about the budget in all, wherever its rows come
-        from. Cheap (no device work); the engine calls it before a window's first forward."""
+        ``ceil(budget / forwards)`` rows of each forward (a seeded uniform subsample, the
+        rows the padding mask keeps first), so a window folds about the budget in all,
+        wherever its rows come from. Cheap (no device work); the engine calls it before a
+        window's first forward."""
         forwards = max(int(forwards), 1)
         if forwards != self.forwards_per_read:
             self.forwards_per_read = forwards
