@@ -79,17 +79,12 @@ def test_gradient_accumulation_shares_the_budget_in_a_plain_loop():
     assert rows and set(rows) == {128}, rows
 
 
-def test_with_sources_the_default_budget_is_8d_per_tracked_source():
-    """A minority source gets its share of a pooled budget: with ``sources=`` the default is
-    ``8 d`` per tracked source, so each can reach the ``4 d`` rows its own profile needs."""
+def test_with_sources_the_budget_is_the_pooled_one():
+    """``sources=`` changes no pooled read, so not the budget either: 8 d, shared alike."""
     tracker = DeadDirectionTracker(TinyLM(d=D), sources="source", max_sources=3)
-    assert tracker.rows_per_forward(D) == 3 * 8 * D
+    assert tracker.rows_per_forward(D) == 8 * D
     tracker.share_rows(2)
-    assert tracker.rows_per_forward(D) == 3 * 8 * D // 2
-    assert (
-        DeadDirectionTracker(TinyLM(d=D), sources="source", rows_per_read=100).rows_per_forward(D)
-        == 100
-    )
+    assert tracker.rows_per_forward(D) == 4 * D
 
 
 def test_the_budget_goes_to_real_rows_before_padding():
