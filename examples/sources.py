@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> DeadDirectionMonitor:
     monitor = DeadDirectionMonitor(
         every_n_steps=args.every,
         sources="source",
+        # every row: each source's own profile decides from 4 d of its own rows, and the code
+        # source is a quarter of them (the default, 8 d pooled, leaves it undecided)
+        rows_per_read="all",
         alerts=("log",),
         verbose=not args.quiet,
         overhead_warn=None,

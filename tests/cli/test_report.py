@@ -220,8 +220,14 @@ def test_report_of_a_run_with_sources_shows_them_and_the_classification(tmp_path
     from examples import sources
 
     torch.manual_seed(0)
+    # every row: the code source is a quarter of them, and its own profile needs 4 d of its own
     monitor = DeadDirectionMonitor(
-        every_n_steps=10, verbose=False, alerts=(), sources="source", overhead_warn=None
+        every_n_steps=10,
+        verbose=False,
+        alerts=(),
+        sources="source",
+        overhead_warn=None,
+        rows_per_read="all",
     )
     trainer = cpu_trainer(30, [monitor], logger=[CSVLogger(tmp_path, name="csv")])
     with warnings.catch_warnings():

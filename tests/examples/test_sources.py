@@ -45,7 +45,10 @@ def test_intrinsic_collapse_in_every_source():
 def _fit(**monitor_kw):
     torch.manual_seed(0)
     module = sources.LitSource(cancel_at=5)
-    monitor = DeadDirectionMonitor(every_n_steps=4, alerts=(), verbose=False, **monitor_kw)
+    # every row: a source's own profile needs 4 d of its own rows (a quarter of them here)
+    monitor = DeadDirectionMonitor(
+        every_n_steps=4, alerts=(), verbose=False, rows_per_read="all", **monitor_kw
+    )
     trainer = L.Trainer(
         max_steps=8, callbacks=[monitor], accelerator="cpu", devices=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

@@ -79,14 +79,24 @@ def test_gradient_accumulation_shares_the_budget_in_a_plain_loop():
     assert rows and set(rows) == {128}, rows
 
 
-def test_with_sources_the_default_budget_is_8d_per_tracked_source():
-    """A minority source gets its share of a pooled budget: with ``sources=`` the default is
-    ``8 d`` per tracked source, so each can reach the ``4 d`` rows its own profile needs."""
+def test_with_sources_the_budget_is_the_pooled_one():
+    """``sources=`` changes no pooled read, so not the budget either: 8 d, shared alike."""
     tracker = DeadDirectionTracker(TinyLM(d=D), sources="source", max_sources=3)
-    assert tracker.rows_per_forward(D) == 3 * 8 * D
+    assert tracker.rows_per_forward(D) == 8 * D
     tracker.share_rows(2)
-    assert tracker.rows_per_forward(D) == 3 * 8 * D // 2
-    assert (
-        DeadDirectionTracker(TinyLM(d=D), sources="source", rows_per_read=100).rows_per_forward(D)
-        == 100
-    )
+    assert tracker.rows_per_forward(D) == 4 * D
+
+
+def test_the_budget_goes_to_real_rows_before_padding():
+    """Three quarters of a forward's 512 rows are padding: the 8 d = 128 rows drawn are all
+    real (128 <= 128 kept), not a quarter of them as a draw blind to the mask would give."""
+    torch.manual_seed(0)
+    model = TinyLM(d=D)
+    x = torch.randint(0, 32, (16, 32))
+    mask = torch.zeros(16, 32, dtype=torch.long)
+    mask[:, :8] = 1  # 128 real rows
+    tracker = DeadDirectionTracker(model)
+    tracker.attach(forward=lambda: model(x))
+    with tracker.gate.sampling(mask=mask):
+        model(x)
+    assert counts(tracker) == {128}

@@ -172,6 +172,7 @@ def fit_stop(out: Path) -> dict[str, Any]:
     monitor = DeadDirectionMonitor(
         **SEPARATE_DISCOVERY,
         every_n_steps=2,
+        rows_per_read="all",  # N/d = 32 below: every row of both ranks
         # Half the rows collapse: the pooled step ratio cannot fall under about 1/sqrt(2)
         # (S = (S_0 + S_1) / 2; read 0.70, interval top 0.88 from N/d = 32), above the
         # default floor 0.6; a floor of 0.9 catches it (healthy reads 0.93-0.95, tops >= 1.16).

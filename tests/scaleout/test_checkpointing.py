@@ -43,6 +43,7 @@ def fit(use_reentrant: bool | None) -> tuple[dict[int, dict[str, float]], LitChe
     reads: dict[int, dict[str, float]] = {}
     monitor = DeadDirectionMonitor(
         every_n_steps=2,
+        rows_per_read="all",  # every row counted: a recomputed forward would show
         rules=[CallableRule("record", lambda m, step: reads.update({step: dict(m)}))],
         verbose=False,
     )

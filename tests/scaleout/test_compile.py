@@ -70,6 +70,7 @@ def fit(
     reads: list[tuple[int, dict[str, float]]] = []
     monitor = DeadDirectionMonitor(
         every_n_steps=EVERY,
+        rows_per_read="all",  # the same rows as the eager fit, whatever each subsample drew
         rules=[CallableRule("record", lambda m, step: reads.append((step, dict(m))))],
         verbose=False,
         **monitor_kw,

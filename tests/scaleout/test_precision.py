@@ -60,7 +60,10 @@ NORMS = ["model.h.0.ln_1", "model.h.0.ln_2", "model.h.1.ln_1", "model.h.1.ln_2",
 
 def fit(precision: str, null_tol: float, *extra: DeadDirectionMonitor):
     torch.manual_seed(0)
-    monitor = DeadDirectionMonitor(every_n_steps=EVERY, null_tol=null_tol, verbose=False)
+    # every row read: the rounding floor is computed from all the rows the hooks saw
+    monitor = DeadDirectionMonitor(
+        every_n_steps=EVERY, null_tol=null_tol, verbose=False, rows_per_read="all"
+    )
     module = LitTiny()
     seen: dict = {}
 
@@ -111,6 +114,7 @@ def test_bf16_true_reads_the_kernel_at_the_rounding_floor():
         residual=False,
         verbose=False,
         name="raised",
+        rows_per_read="all",
     )
     with pytest.warns(UserWarning, match="bf16-true.*null_tol=1e-4") as caught:
         monitor, seen = fit("bf16-true", 1e-10, raised)

@@ -156,8 +156,8 @@ class DeadDirectionTracker:
             width), an int that many, ``"all"`` every row. The budget is shared by the
             window's forwards (:meth:`share_rows`: gradient-accumulation micro-batches and
             ranks, each folding ``ceil(budget / forwards)`` rows of every forward; a tracker
-            driven by hand folds the whole budget from each forward). With ``sources=`` the
-            default is ``8 d`` per tracked source (``max_sources``).
+            driven by hand folds the whole budget from each forward). With ``sources=`` a
+            source's own profile needs ``4 d`` of its own rows: raise it for minority sources.
         max_memory: byte budget for every accumulator (``8 d^2`` per tapped tensor: a norm's
             input and output, each residual point; a point that is a norm's input is shared).
             Over it (checked at :meth:`attach`, once the points are known), the residual profile
@@ -336,22 +336,21 @@ class DeadDirectionTracker:
     def share_rows(self, forwards: int) -> None:
         """Share each read's row budget (``rows_per_read``) among ``forwards`` forwards: the
         micro-batches of one optimiser step times the ranks. Every tap then folds at most
-        ``ceil(budget / forwards)`` rows of each forward (a seeded uniform subsample, before
-        the padding mask), so a window folds about the budget in all, wherever its rows come
-        from. Cheap (no device work); the engine calls it before a window's first forward."""
+        ``ceil(budget / forwards)`` rows of each forward (a seeded uniform subsample, the
+        rows the padding mask keeps first), so a window folds about the budget in all,
+        wherever its rows come from. Cheap (no device work); the engine calls it before a
+        window's first forward."""
         forwards = max(int(forwards), 1)
         if forwards != self.forwards_per_read:
             self.forwards_per_read = forwards
             self._apply_rows()
 
     def rows_per_forward(self, dim: int) -> int | None:
-        """Rows a tap of width ``dim`` keeps per forward (None: all). With ``sources=`` the
-        default budget is ``8 d`` per tracked source (``max_sources`` of them): each source's
-        own profile needs its ``4 d`` rows to decide, and a minority source gets only its
-        share of a pooled ``8 d``."""
+        """Rows a tap of width ``dim`` keeps per forward (None: all). The same with or without
+        ``sources=`` (the pooled read does not depend on them): a source's own profile decides
+        from ``4 d`` of its own rows, so at the default a source with under half the rows reads
+        undecided; pass a larger ``rows_per_read`` (or ``"all"``) for per-source verdicts."""
         budget = rows_budget(self.rows_per_read, dim)
-        if budget is not None and self.rows_per_read is None and self.sources is not None:
-            budget *= self.max_sources
         return None if budget is None else -(-budget // self.forwards_per_read)
 
     def _apply_rows(self) -> None:

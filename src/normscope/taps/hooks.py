@@ -31,7 +31,7 @@ from einops import rearrange
 from torch import nn
 
 from normscope._common import warn_disabled
-from normscope.functional.covariance import StreamingCovariance
+from normscope.functional.covariance import StreamingCovariance, pick_rows
 
 __all__ = [
     "batch_mask",
@@ -472,10 +472,10 @@ class PointChain:
         if k == 0:
             self._forward += 1
             self._broken = False
-            self._draw(n, rows.device)
+            self._draw(n, rows.device, keep)
         elif n != self._pick_rows:  # another row count than p_0's: not the same tokens
             self._broken = True
-            self._draw(n, rows.device)
+            self._draw(n, rows.device, keep)
         if self._pick is not None:
             # index_select, not rows[pick]: 5x faster on the CPU (d = 128, 1,024 of 2,048 rows)
             rows = rows.index_select(0, self._pick)
@@ -496,7 +496,7 @@ class PointChain:
                     stacklevel=4,
                 )
 
-    def _draw(self, n: int, device: torch.device) -> None:
+    def _draw(self, n: int, device: torch.device, keep: torch.Tensor | None = None) -> None:
         self._pick_rows = n
         if self.max_rows is None or n <= self.max_rows:
             self._pick = None
@@ -504,8 +504,7 @@ class PointChain:
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(self.seed)
-        perm = torch.randperm(n, generator=self._generator, device=device)
-        self._pick = perm[: self.max_rows]
+        self._pick = pick_rows(n, self.max_rows, keep, self._generator)
 
     def reset(self) -> None:
         """Start a new window (the subset generator keeps its position)."""
