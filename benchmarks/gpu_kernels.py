@@ -15,6 +15,7 @@ from read_cost import PRIMITIVES, every_for, model_read_cost, test_matrix
 
 from normscope.functional import (
     StreamingCovariance,
+    input_reads,
     kernel_read,
     schur_quotient,
     sigma_min,
@@ -196,6 +197,7 @@ def eigen_costs(
         "schur_quotient": lambda: schur_quotient(c, gamma, 2 * d),
         "sigma_min": lambda: sigma_min(c, 2 * d, solver="dense"),
         "sigma_min_fast": lambda: sigma_min(c, 2 * d),
+        "input_reads": lambda: input_reads(c, gamma, 2 * d),
     }
     row: dict[str, Any] = {"d": d, "status": "ok"}
     for name in PRIMS:

@@ -155,38 +155,47 @@ def test_a_confident_step_collapse_alerts_whatever_an_old_margin_key_says():
 def test_a_sudden_drop_alerts_on_the_higher_floor_a_slow_dip_does_not():
     """A step ratio of 0.5 from N/d = 8 (interval top 0.79: under 0.85, not under 0.6) alerts
     only as a sudden drop: after a read of 1.0 at the same point, not at the first read, not
-    after 0.8 (0.5 is not under 0.6 x 0.8), and a checkpointed rule remembers the last read."""
+    after 0.8 (0.5 is not under 0.6 x 0.8), and a checkpointed rule remembers the last read.
+    The run's first read (taken at initialisation) is no reference for a drop
+    (``drop_from_first_read=False``): the drop is judged from the second read on."""
     low = _read(0.5, 8)
     assert 0.6 < low["dd/p1/sigma_min_step_hi"] < 0.85
     rule = SigmaMinRatioRule()
     assert rule.evaluate(low, step=1) == []  # no previous read: not confident
     restored = SigmaMinRatioRule()
     restored.load_state_dict(SigmaMinRatioRule().state_dict())
+    first_only = SigmaMinRatioRule()
+    first_only.evaluate(_read(1.0, 8), step=1)
+    assert first_only.evaluate(low, step=2) == []  # against the first read: not a drop
     rule = SigmaMinRatioRule()
     rule.evaluate(_read(1.0, 8), step=1)
+    rule.evaluate(_read(1.0, 8), step=2)
     restored.load_state_dict(rule.state_dict())
     for r in (rule, restored):
-        alerts = r.evaluate(low, step=2)
+        alerts = r.evaluate(low, step=3)
         assert [a.point for a in alerts] == ["p1"]
         assert "sudden drop from 1 at the previous read" in alerts[0].message
     slow = SigmaMinRatioRule()
     slow.evaluate(_read(0.8, 8), step=1)
-    assert slow.evaluate(low, step=2) == []
+    slow.evaluate(_read(0.8, 8), step=2)
+    assert slow.evaluate(low, step=3) == []
     off = SigmaMinRatioRule(drop=None)
     off.evaluate(_read(1.0, 8), step=1)
-    assert off.evaluate(low, step=2) == []
+    off.evaluate(_read(1.0, 8), step=2)
+    assert off.evaluate(low, step=3) == []
 
 
 def test_a_collapse_that_persists_alerts_once():
     """After a sudden drop fires, the same point read at 0.5 again (interval top 0.79: over
     0.6, under 0.85) stays below: no second alert when it later dips under 0.6 for good."""
     rule = SigmaMinRatioRule()
-    rule.evaluate(_read(1.0, 8), step=1)
-    fired = [rule.evaluate(_read(r, 8), step=s) for s, r in ((2, 0.5), (3, 0.5), (4, 0.3))]
+    for step in (1, 2):  # the first read is no reference for a drop: two healthy reads
+        rule.evaluate(_read(1.0, 8), step=step)
+    fired = [rule.evaluate(_read(r, 8), step=s) for s, r in ((3, 0.5), (4, 0.5), (5, 0.3))]
     assert [[a.point for a in f] for f in fired] == [["p1"], [], []]
     assert rule.below["p1"] == 3
-    rule.evaluate(_read(1.0, 8), step=5)  # recovered: the next collapse alerts again
-    assert [a.point for a in rule.evaluate(_read(0.3, 8), step=6)] == ["p1"]
+    rule.evaluate(_read(1.0, 8), step=6)  # recovered: the next collapse alerts again
+    assert [a.point for a in rule.evaluate(_read(0.3, 8), step=7)] == ["p1"]
 
 
 def test_warmup_reads_never_alert_and_a_collapse_that_outlasts_them_alerts_once():

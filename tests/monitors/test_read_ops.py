@@ -12,8 +12,11 @@ residual points, every point a norm's input) read once by a default
 * **Small ops**: the aten ops the read dispatches (top level: ops nested inside another aten
   op, such as ``aten::to``'s copy, are not counted again). Measured 1,431 at width 128 on
   torch 2.13 CPU (4,104 with the nested ones), from 1,665 before the secular floor and the
-  one-op covariance; issue 35 aims at about 500, which needs the per-layer reads batched
-  (not done). The bound guards against growth.
+  one-op covariance; 1,368 with issue 33's input read (one ``eigh`` per norm input for
+  ``delta_gamma``, the Schur quotient and the point's ``sigma_min``); 2,070 with issue 32's
+  stream reads, which read each point and norm on its own (268 ``item`` calls: host syncs on a
+  GPU). Issue 35 aims at about 500, which needs the per-layer reads batched (not done). The
+  bound guards against growth.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ torch.set_num_threads(1)
 
 FACTORISATIONS = ("aten::linalg_eigh", "aten::linalg_eigvalsh", "aten::linalg_cholesky_ex")
 FACTORISATIONS += ("aten::linalg_qr", "aten::linalg_svd", "aten::linalg_svdvals")
-TOP_LEVEL_BOUND = 1600
+TOP_LEVEL_BOUND = 2200
 
 
 def read_ops() -> tuple[collections.Counter, int, int]:
@@ -56,7 +59,9 @@ def read_ops() -> tuple[collections.Counter, int, int]:
 def test_one_read_of_the_demo_counts_its_ops_and_decompositions():
     ops, n_top, n_norms = read_ops()
     factorisations = sum(ops[name] for name in FACTORISATIONS)
-    assert 2 * n_norms <= factorisations <= 3 * n_norms, dict(ops)
+    # one eigh per norm output and one per norm input (delta_gamma, the Schur quotient and the
+    # point's sigma_min from it); RankMe's eigvalsh of the final norm's output moments
+    assert 2 * n_norms <= factorisations <= 2 * n_norms + 2, dict(ops)
     # one eigh per norm output: kernel_read's, whose eigenpairs also give live_floor
     assert ops["aten::linalg_eigh"] <= 2 * n_norms
     assert ops["aten::linalg_qr"] == 0  # the old live floor's complement basis
