@@ -5,9 +5,10 @@ The demo GPT of ``examples/nanogpt.py`` (4 blocks, width 128, LayerNorm: 9 norm 
 residual points, every point a norm's input) read once by a default
 :class:`~normscope.DeadDirectionTracker` after one sampled forward.
 
-* **Every decomposition earns its place**: one factorisation per matrix a key is read from
-  (a norm's output covariance, its input covariance, each point's second moment), so at most
-  3 per norm layer; none of a 1 x 1 matrix; ``live_floor`` from the output covariance's own
+* **Every decomposition earns its place**: one factorisation per matrix a key is read from:
+  a norm's output covariance and its input covariance (whose eigenpairs also give the point's
+  second-moment ``sigma_min``, by the secular equation), so 2 per norm layer, plus the final
+  norm output's two RankMe spectra; none of a 1 x 1 matrix; ``live_floor`` from the output covariance's own
   ``eigh`` (the secular equation), not from a second decomposition.
 * **Small ops**: the aten ops the read dispatches (top level: ops nested inside another aten
   op, such as ``aten::to``'s copy, are not counted again). Measured 1,431 at width 128 on
