@@ -1698,9 +1698,9 @@ def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -
         where = f" at {key_path(worst)} ({sub or 'block'})" if worst else ""
         parts.append(f"sigma_min_ratio_min {format(profile.sigma_min_ratio_min, '.4g')}{where}")
     ln = [n for n in report.norms.values() if n.kind == "layernorm" and n.gamma.dead_channels == 0]
-    if ln:
+    if ln:  # the headline, as dd/gamma_alignment_min: each LayerNorm's kernel_alignment
         parts.append(
-            f"gamma_alignment_min {format(min(n.kernel.gamma_alignment for n in ln), '.6f')}"
+            f"gamma_alignment_min {format(min(n.kernel.kernel_alignment for n in ln), '.6f')}"
         )
     deltas = [n.delta_gamma for n in report.norms.values() if math.isfinite(n.delta_gamma)]
     if deltas:
