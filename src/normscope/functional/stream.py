@@ -36,6 +36,21 @@ def _vector(x: torch.Tensor, where: str, what: str) -> torch.Tensor:
     return x.detach().to(torch.float64)
 
 
+def _mean_and_variance(
+    mean: torch.Tensor, variance: torch.Tensor, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked float64 ``(mu, per-channel variance)``; a ``(d, d)`` covariance gives its
+    diagonal."""
+    mu = _vector(mean, where, "mean")
+    var = variance
+    if isinstance(var, torch.Tensor) and var.ndim == 2:
+        var = square_matrix(var, where, "variance").diagonal()
+    var = _vector(var, where, "variance")
+    if var.shape != mu.shape:
+        raise ValueError(f"{where}: mean {tuple(mu.shape)} and variance {tuple(var.shape)} differ")
+    return mu, var
+
+
 def offset_share(mean: torch.Tensor, variance: torch.Tensor, n_rows: int) -> float:
     """``||mu||^2 / (||mu||^2 + tr C)``: the share of the mean squared row norm
     ``E||x||^2 = ||mu||^2 + tr C`` that is the mean row, one vector shared by every row.
@@ -56,13 +71,7 @@ def offset_share(mean: torch.Tensor, variance: torch.Tensor, n_rows: int) -> flo
         nan
     """
     where = "offset_share"
-    mu = _vector(mean, where, "mean")
-    var = variance
-    if isinstance(var, torch.Tensor) and var.ndim == 2:
-        var = square_matrix(var, where, "variance").diagonal()
-    var = _vector(var, where, "variance")
-    if var.shape != mu.shape:
-        raise ValueError(f"{where}: mean {tuple(mu.shape)} and variance {tuple(var.shape)} differ")
+    mu, var = _mean_and_variance(mean, variance, where)
     if row_count(n_rows, where) == 0:
         return _NAN
     offset = float(mu.square().sum())
@@ -86,13 +95,7 @@ def stream_rms(mean: torch.Tensor, variance: torch.Tensor, n_rows: int) -> float
         nan
     """
     where = "stream_rms"
-    mu = _vector(mean, where, "mean")
-    var = variance
-    if isinstance(var, torch.Tensor) and var.ndim == 2:
-        var = square_matrix(var, where, "variance").diagonal()
-    var = _vector(var, where, "variance")
-    if var.shape != mu.shape:
-        raise ValueError(f"{where}: mean {tuple(mu.shape)} and variance {tuple(var.shape)} differ")
+    mu, var = _mean_and_variance(mean, variance, where)
     if row_count(n_rows, where) == 0:
         return _NAN
     total = float(mu.square().sum()) + float(var.sum())
