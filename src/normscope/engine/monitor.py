@@ -922,9 +922,10 @@ class Monitor:
         return keys
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, rule states, the alerts fired and the family's state (the sign
-        family's previous signs): plain types and tensors, loadable with ``weights_only=True``. Never the open
-        window's accumulators (``8 d^2`` bytes per tap): a resumed run starts its window again.
+        """Counters, rule states, the alerts fired and the family's state (the dead-direction
+        stream reads' gain baselines and last RMS, the sign family's previous signs): plain
+        types and tensors, loadable with ``weights_only=True``. Never the open window's
+        accumulators (``8 d^2`` bytes per tap): a resumed run starts its window again.
         A read in flight is published first (DDP: waited for, published at its usual step)."""
         try:
             self._wait_in_flight()
