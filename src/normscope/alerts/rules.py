@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -980,9 +981,10 @@ class NonFiniteRule:
 # ============================================================================
 
 
-class _EpisodeRule:
+class _EpisodeRule(abc.ABC):
     """Fires once when :meth:`check` has said True ``patience`` reads in a row; re-arms after a
-    read where it says False (a read that says None changes nothing)."""
+    read where it says False (a read that says None changes nothing). A subclass writes
+    :meth:`check`; ``self.step`` is the step of the read being judged."""
 
     name = "episode"
 
@@ -992,9 +994,12 @@ class _EpisodeRule:
         self.patience = int(patience)
         self.count = 0
         self.firing = False
+        self.step = 0
 
+    @abc.abstractmethod
     def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
-        raise NotImplementedError
+        """``(hit, alert)`` for one read: hit True / False / None (cannot decide), and the
+        alert to raise when the episode fires."""
 
     def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
         self.step = step
