@@ -755,6 +755,8 @@ class ReadWindow:
     profile_on: bool
     taps: list[Tap]  # every tap (rows_rejected, failed taps)
     failed_taps: dict[str, str]
+    #: norm name -> the residual point whose sigma_min that norm's job reads (:func:`_covered`)
+    covers: dict[str, int] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the read reads (for ``record_stream`` on a side CUDA stream)."""
@@ -834,6 +836,7 @@ def take_window(tracker: DeadDirectionTracker, step: int, *, swap: bool) -> Read
         taps=[frozen[t.key] for t in live],
         failed_taps={f"{t.module_name}:{t.where}": t.failed for t in live if t.failed},
     )
+    window.covers = _covered(window)
     if swap:
         tracker.reset()
         for old, tap in zip(window.taps, live):
@@ -863,7 +866,7 @@ def _covered(window: ReadWindow) -> dict[str, int]:
 def _jobs(window: ReadWindow) -> list[tuple[str, Any]]:
     jobs: list[tuple[str, Any]] = [("norm", n) for n in window.norms if n.name not in window.skip]
     if window.profile_on and window.layout is not None and window.point_taps:
-        covered = set(_covered(window).values())
+        covered = set(window.covers.values())
         jobs += [("point", k) for k in range(len(window.point_taps)) if k not in covered]
         jobs += [("source", name) for name in window.sources or {}]
     jobs.append(("stream", None))  # docs/metrics.md §1.6, one job for the whole window
@@ -916,7 +919,7 @@ def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, ou
 
 def _solve_norm(tracker: DeadDirectionTracker, window: ReadWindow, norm: Any, out: ReadRecords):
     tap_in, tap_out = window.norm_taps[norm.name]
-    point = _covered(window).get(norm.name)
+    point = window.covers.get(norm.name)
     report = None
     try:
         report = tracker.read_norm(norm, tap_in, tap_out, window.gammas[norm.name])
