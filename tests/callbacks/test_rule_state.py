@@ -34,6 +34,7 @@ def test_rules_are_saved_by_name_with_a_suffix_for_a_repeated_name():
         "representation_collapse",
         "norm_gain_drift",
         "stream_scale_growth",
+        "attention_logit_growth",
         "a",
         "b",
         "a#2",

@@ -27,6 +27,7 @@ from torch import nn
 
 from normscope import DeadDirectionReport, scan_model
 from normscope.taps import NormDiscoveryError, find_norm_layers
+from normscope.taps.attention import find_attention_modules
 from tests.hf_models import HF_ARCHITECTURES, build_hf_model, token_batch
 
 torch.set_num_threads(1)
@@ -199,9 +200,13 @@ def test_as_dict_is_flat_and_keyed_by_module_path(arch: str) -> None:
         assert family == "dd" and len(path) <= 1, key
         if path:
             known = path[0] in report.norms or path[0] in {p.name for p in report.profile.points}
+            known = known or (metric == "max_logit" and path[0] in modules)  # an attention module
             assert known, key
     assert logged["dd/sigma_min_ratio_min"] == report.sigma_min_ratio_min
     assert logged["dd/rows_rejected"] == 0.0
+    # every layer's attention logits (docs/metrics.md §1.7): one innermost module per layer
+    assert logged["dd/attn_modules_read"] == len(find_attention_modules(model, "auto")) > 0
+    assert math.isfinite(logged["dd/attn_logit_max"])
     style = report.layout.style
     assert len(report.profile.points) == POINTS_BY_STYLE[style], (arch, style)
     assert [p.depth for p in report.profile.points] == list(range(POINTS_BY_STYLE[style]))

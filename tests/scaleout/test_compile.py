@@ -129,7 +129,14 @@ def test_compiled_model_reads_without_recompiling(how, eager_reads):
         assert not any("_orig_mod" in k for k in got)
         expected = eager_reads[step]
         assert set(got) == set(expected)
+        # the attention-logit read cannot see inside a compiled graph: NaN, said by the count
+        assert expected["dd/attn_modules_read"] == 2 and got["dd/attn_modules_read"] == 0
+        assert math.isnan(got["dd/attn_logit_max"]) and math.isfinite(expected["dd/attn_logit_max"])
+        attention = {k for k in expected if k.endswith(("/max_logit", "attn_logit_max"))}
+        attention.add("dd/attn_modules_read")
         for key, value in expected.items():
+            if key in attention:
+                continue
             # the same float32 kernels as eager run them: identical
             assert got[key] == value or (value != value and got[key] != got[key]), key
     assert got["dd/model.ln_f/kernel_residual"] < 1e-12

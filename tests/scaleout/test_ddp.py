@@ -31,6 +31,9 @@ def test_reads_equal_the_single_process_reads_on_the_union_of_rows(distributed_r
     module = LitDict(lr=0.0)
     module.load_state_dict(torch.load(distributed_run["out"] / "exact_weights.pt"))
     assert_reads_equal(reads, single_process_reads(module, reads))
+    # the attention logits too: the all-reduced maximum of the ranks' maxima (both modules)
+    assert all(r["metrics"]["dd/attn_modules_read"] == 2 for r in reads)
+    assert all(math.isfinite(r["metrics"]["dd/attn_logit_max"]) for r in reads)
 
 
 def test_a_rank_with_only_padding_in_a_window_neither_hangs_nor_counts(distributed_run):

@@ -338,6 +338,12 @@ class DeadDirectionMonitor(_LightningMonitor):
             plain loops, Fabric and the Hugging Face ``Trainer``, and under FSDP2
             (docs/monitors.md, "Asynchronous reads"). The numbers are those of a synchronous
             read, bit for bit.
+        attention: the attention modules whose largest pre-softmax logit is read on sampled
+            steps (``dd/<module>/max_logit``, ``dd/attn_logit_max``; docs/metrics.md §1.7) and
+            judged by :class:`~normscope.alerts.AttentionLogitRule`: ``"auto"`` (every innermost
+            module whose class name contains ``attn`` or ``attention``), a list of module
+            paths, or ``None``. The read sees ``scaled_dot_product_attention`` and ``softmax``
+            calls inside those modules' forwards; compiled forwards are not read.
 
     Raises:
         MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
@@ -381,6 +387,7 @@ class DeadDirectionMonitor(_LightningMonitor):
         max_sources: int = 8,
         name: str | None = None,
         async_reads: bool | None = None,
+        attention: str | Sequence[str] | None = "auto",
     ) -> None:
         family = _config(
             lambda: DeadDirectionFamily(
@@ -398,6 +405,7 @@ class DeadDirectionMonitor(_LightningMonitor):
                 seed=seed,
                 sources=sources,
                 max_sources=max_sources,
+                attention=attention,
             )
         )
         self.engine = _config(

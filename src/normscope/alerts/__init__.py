@@ -19,6 +19,7 @@ from __future__ import annotations
 from normscope.alerts.rules import (
     Alert,
     AlertRule,
+    AttentionLogitRule,
     CallableRule,
     GainDriftRule,
     KernelLossRule,
@@ -36,6 +37,7 @@ from normscope.alerts.sinks import CallableSink, LogSink, WandbSink, build_sinks
 __all__ = [
     "Alert",
     "AlertRule",
+    "AttentionLogitRule",
     "CallableRule",
     "CallableSink",
     "GainDriftRule",

@@ -1293,6 +1293,64 @@ class ScaleGrowthRule(_EpisodeRule):
         )
 
 
+class AttentionLogitRule(_EpisodeRule):
+    """Attention-logit growth: some attention module's largest pre-softmax logit
+    (``dd/attn_logit_max``, docs/metrics.md §1.7) above ``max_logit``.
+
+    A softmax row whose largest logit leads the next by ``g`` puts at most ``(T - 1) e^-g`` of
+    its weight off that entry: the attention is one-hot, its gradient vanishes, and the
+    query-key product keeps growing until training diverges (Dehghani et al. 2023; Wortsman et
+    al. 2023). The logit is read exactly on every sampled forward (a maximum over rows, no
+    sampling interval to allow for), so the rule decides on the value; one alert per episode,
+    re-armed when a read is back under the line. ``+inf`` (an overflow in half precision)
+    fires; a NaN logit is left to :class:`NonFiniteRule`.
+
+    The default, 30, lies under the pathology zoo's ground-truth line (50) so that a growing
+    logit is reported by the read before it crosses; how it was checked against healthy runs:
+    docs/alerts.md.
+
+    Example::
+
+        >>> rule = AttentionLogitRule()
+        >>> m = {"dd/attn_logit_max": 45.0, "dd/h.2.attn/max_logit": 45.0,
+        ...      "dd/h.0.attn/max_logit": 3.0}
+        >>> [(a.rule, a.point) for a in rule.evaluate(m, 30)]
+        [('attention_logit_growth', 'h.2.attn')]
+        >>> rule.evaluate(m, 40)  # the same episode
+        []
+        >>> rule.evaluate({"dd/attn_logit_max": 4.0}, 50), rule.firing
+        ([], False)
+    """
+
+    name = "attention_logit_growth"
+
+    def __init__(self, max_logit: float = 30.0) -> None:
+        super().__init__()
+        if not max_logit > 0:
+            raise ValueError(f"AttentionLogitRule: max_logit must be > 0, got {max_logit}")
+        self.max_logit = float(max_logit)
+
+    def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
+        value = metrics.get("dd/attn_logit_max", math.nan)
+        if math.isnan(value):
+            return None, None
+        if value <= self.max_logit:
+            return False, None
+        module = _extreme_layer(metrics, "max_logit", "dd/attn_logit_max")
+        return True, Alert(
+            self.name,
+            "dd/attn_logit_max",
+            self.step,
+            float(value),
+            self.max_logit,
+            f"attention-logit growth at step {self.step}: the largest pre-softmax attention "
+            f"logit{' of ' + module if module else ''} is {value:.4g} (> {self.max_logit:g}), "
+            "so its softmax rows are close to one-hot; qk-layernorm or a lower learning rate "
+            "for the query and key projections are the usual remedies",
+            point=module,
+        )
+
+
 def default_dead_direction_rules(
     kinds: Mapping[str, str],
     sublayers: Mapping[str, str | None] | None,
@@ -1303,6 +1361,7 @@ def default_dead_direction_rules(
     kernel: bool = True,
     nonfinite: bool = True,
     stream: bool = True,
+    attention: bool = True,
 ) -> list[Any]:
     """The default rules of :class:`~normscope.adapters.lightning.DeadDirectionMonitor`, in the order
     they are evaluated: a :class:`SigmaMinRatioRule` (``SigmaMinRatioRule()`` unless
@@ -1311,7 +1370,7 @@ def default_dead_direction_rules(
     sigma rule, then a :class:`NonFiniteRule` (none with ``nonfinite=False``), then the stream
     rules :class:`RepresentationCollapseRule`, :class:`GainDriftRule` and
     :class:`ScaleGrowthRule` (none with ``stream=False``; post-norm models included: they read
-    no premise). The monitor, ``normscope scan`` and ``normscope report`` all build theirs here.
+    no premise), then an :class:`AttentionLogitRule` (none with ``attention=False``). The monitor, ``normscope scan`` and ``normscope report`` all build theirs here.
 
     ``kinds`` maps norm paths to their declared kind (the kernel rule's ``kinds``);
     ``sublayers`` maps the residual points, in depth order, to their sublayer (the sigma and
@@ -1323,11 +1382,14 @@ def default_dead_direction_rules(
         >>> rules = default_dead_direction_rules({"ln_f": "layernorm"}, {"h.0": "attn"})
         >>> [r.name for r in rules]  # doctest: +NORMALIZE_WHITESPACE
         ['sigma_min_collapse', 'layernorm_kernel_lost', 'non_finite_rows',
-         'representation_collapse', 'norm_gain_drift', 'stream_scale_growth']
-        >>> rules = default_dead_direction_rules({}, {}, sources=True, kernel=False, stream=False)
+         'representation_collapse', 'norm_gain_drift', 'stream_scale_growth',
+         'attention_logit_growth']
+        >>> rules = default_dead_direction_rules({}, {}, sources=True, kernel=False, stream=False,
+        ...                                      attention=False)
         >>> [r.name for r in rules]
         ['sigma_min_collapse', 'source_collapse', 'non_finite_rows']
-        >>> rules = default_dead_direction_rules({}, None, nonfinite=False, stream=False)
+        >>> rules = default_dead_direction_rules({}, None, nonfinite=False, stream=False,
+        ...                                      attention=False)
         >>> [r.name for r in rules]
         ['layernorm_kernel_lost']
     """
@@ -1348,4 +1410,6 @@ def default_dead_direction_rules(
         rules.append(NonFiniteRule())
     if stream:
         rules += [RepresentationCollapseRule(), GainDriftRule(), ScaleGrowthRule()]
+    if attention:
+        rules.append(AttentionLogitRule())
     return rules

@@ -61,6 +61,7 @@ from normscope.functional.stream import (
     offset_share,
     stream_rms,
 )
+from normscope.taps.attention import AttentionLogits, find_attention_modules
 from normscope.taps.hooks import (
     Gate,
     Tap,
@@ -75,6 +76,7 @@ from normscope.taps.residual import ResidualDiscovery, ResidualLayout, find_resi
 from normscope.taps.sources import SourceLabels, SourceSpec, SourceSplit, resolve_labels
 
 __all__ = [
+    "attention_reads",
     "DeadDirectionFamily",
     "DeadDirectionReport",
     "DeadDirectionTracker",
@@ -177,6 +179,10 @@ class DeadDirectionTracker:
         max_sources: sources tracked (the first seen; ``max_memory`` plans for this many:
             ``8 d^2`` per source and point, after the profile, before the norm layers, whole or
             not at all). Rows of later sources stay in the pooled read only (a warning).
+        attention: the attention modules whose largest pre-softmax logit is read
+            (docs/metrics.md §1.7, :mod:`normscope.taps.attention`): ``"auto"`` (default;
+            every innermost module whose class name contains ``attn`` or ``attention``), a list
+            of module paths, or ``None`` (none).
 
     Example::
 
@@ -201,6 +207,7 @@ class DeadDirectionTracker:
         max_memory: int | None = None,
         sources: SourceSpec | None = None,
         max_sources: int = 8,
+        attention: str | Sequence[str] | None = "auto",
     ) -> None:
         if sources is not None and not (isinstance(sources, str) or callable(sources)):
             raise TypeError(
@@ -242,6 +249,10 @@ class DeadDirectionTracker:
         # gain drift's baseline) and each residual point's RMS at the previous read
         self.gain_baselines: dict[str, torch.Tensor] = {}
         self.previous_rms: dict[str, float] = {}
+        # the attention-logit read (docs/metrics.md §1.7): its modules now, its hooks at attach
+        self.attention_names = find_attention_modules(model, attention)
+        self.attention_on = attention is not None  # asked for: dd/attn_modules_read says 0
+        self.attention: AttentionLogits | None = None
 
     # ------------------------------------------------------------------ hooks
     def discover(self, forward: ForwardFn | None) -> ResidualLayout | None:
@@ -318,6 +329,8 @@ class DeadDirectionTracker:
         if self.sources is not None and self.split is None:
             self._sources_off("the residual profile is not read (no residual points)")
         self._apply_rows()
+        if self.attention_names and self.attention is None:
+            self.attention = AttentionLogits(self.model, self.attention_names, self.gate)
         self.attached = True
         self.snapshot_gain_baselines()
 
@@ -418,11 +431,16 @@ class DeadDirectionTracker:
             self._discovery.remove()
             self._discovery = None
         self.taps.remove()
+        if self.attention is not None:
+            self.attention.remove()
+            self.attention = None
         self.attached = False
 
     def reset(self) -> None:
         """Start a new window."""
         self.taps.reset()
+        if self.attention is not None:
+            self.attention.take()
         self._gammas = {}
 
     def snapshot_gammas(self) -> None:
@@ -500,8 +518,8 @@ class DeadDirectionTracker:
 
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
-        """The open window's accumulators and the stream reads' memory (gains at the first
-        batch, each point's last RMS)."""
+        """The open window's accumulators (and attention-logit maxima) and the stream reads'
+        memory (gains at the first batch, each point's last RMS)."""
         return {
             "taps": {
                 f"{k[0]}|{k[1]}": t.accumulator.state_dict() for k, t in self.taps.taps.items()
@@ -509,6 +527,7 @@ class DeadDirectionTracker:
             "gain_baselines": {k: v.detach().cpu() for k, v in self.gain_baselines.items()},
             "previous_rms": dict(self.previous_rms),
             **({"sources": self.split.state_dict()} if self.split is not None else {}),
+            **({"attention": self.attention.state_dict()} if self.attention is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -526,6 +545,8 @@ class DeadDirectionTracker:
                 tap.accumulator.load_state_dict(acc_state)
         if self.split is not None and "sources" in state:
             self.split.load_state_dict(state["sources"])
+        if self.attention is not None and "attention" in state:
+            self.attention.load_state_dict(state["attention"])
 
     def memory_bytes(self) -> int:
         split = self.split.memory_bytes() if self.split is not None else 0
@@ -757,6 +778,9 @@ class ReadWindow:
     failed_taps: dict[str, str]
     #: norm name -> the residual point whose sigma_min that norm's job reads (:func:`_covered`)
     covers: dict[str, int] = field(default_factory=dict)
+    #: attention module -> its largest logit in the window (None: none read; docs §1.7);
+    #: None: no attention read asked for
+    attention: dict[str, torch.Tensor | None] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the read reads (for ``record_stream`` on a side CUDA stream)."""
@@ -764,6 +788,7 @@ class ReadWindow:
         for group in (self.sources or {}).values():
             accs.extend(group)
         out = [v for a in accs for v in vars(a).values() if isinstance(v, torch.Tensor)]
+        out += [v for v in (self.attention or {}).values() if v is not None]
         return out + list(self.gammas.values())
 
 
@@ -789,6 +814,8 @@ def reduce_taps(tracker: DeadDirectionTracker) -> None:
         tap.accumulator.reduce_()
     if tracker.split is not None:
         tracker.split.reduce_()  # source names agreed across ranks first
+    if tracker.attention is not None:
+        tracker.attention.reduce_()
 
 
 def read_share() -> tuple[int, int]:
@@ -837,6 +864,10 @@ def take_window(tracker: DeadDirectionTracker, step: int, *, swap: bool) -> Read
         failed_taps={f"{t.module_name}:{t.where}": t.failed for t in live if t.failed},
     )
     window.covers = _covered(window)
+    if tracker.attention is not None:  # the live maxima start over whether or not swapped
+        window.attention = tracker.attention.take()
+    elif tracker.attention_on:
+        window.attention = {}  # asked for, no attention module found: the count says 0
     if swap:
         tracker.reset()
         for old, tap in zip(window.taps, live):
@@ -870,6 +901,8 @@ def _jobs(window: ReadWindow) -> list[tuple[str, Any]]:
         jobs += [("point", k) for k in range(len(window.point_taps)) if k not in covered]
         jobs += [("source", name) for name in window.sources or {}]
     jobs.append(("stream", None))  # docs/metrics.md §1.6, one job for the whole window
+    if window.attention is not None:
+        jobs.append(("attention", None))  # docs/metrics.md §1.7
     return jobs
 
 
@@ -907,9 +940,13 @@ def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, ou
             out.sources.update(read_sources_of({what: window.sources[what]}, window.layout))
         elif kind == "stream":
             out.stream.update(stream_reads(window))
+        elif kind == "attention":
+            out.stream.update(attention_reads(window.attention))
     except Exception as err:  # noqa: BLE001
         why = f"{type(err).__name__}: {err}"
-        if kind == "stream":
+        if kind == "attention":
+            out.stream["attn_modules_read"] = 0.0  # said out loud; the other reads stand
+        elif kind == "stream":
             out.stream["stream_failed"] = 1.0  # the other reads stand; these are NaN
         elif kind == "source":
             out.sources_failure = out.sources_failure or why
@@ -1014,6 +1051,27 @@ def stream_reads(window: ReadWindow) -> dict[str, float]:
         out[f"{final}/rankme"] = effective_rank(acc.second_moment(), acc.count)
         out[f"{final}/rankme_centred"] = effective_rank(acc.covariance(), acc.count)
         out["final_rows_per_dim"] = acc.count / acc.dim
+    return out
+
+
+def attention_reads(maxima: dict[str, torch.Tensor | None]) -> dict[str, float]:
+    """The attention-logit keys of a window (docs/metrics.md §1.7), without ``dd/``: each
+    module's ``<module>/max_logit`` (NaN: it ran no readable attention in the window),
+    ``attn_logit_max`` (the largest; NaN when none was read) and ``attn_modules_read``. One host
+    transfer for all modules. No module: only the count, 0."""
+    if not maxima:
+        return {"attn_modules_read": 0.0}
+    names = list(maxima)
+    read = [n for n in names if maxima[n] is not None]
+    values = dict.fromkeys(names, math.nan)
+    if read:
+        device = maxima[read[0]].device
+        host = torch.stack([maxima[n].to(device, torch.float64) for n in read]).cpu().tolist()
+        values.update({n: (v if v > -math.inf else math.nan) for n, v in zip(read, host)})
+    out = {f"{n}/max_logit": v for n, v in values.items()}
+    seen = [v for v in values.values() if not math.isnan(v)]
+    out["attn_logit_max"] = max(seen) if seen else math.nan
+    out["attn_modules_read"] = float(len(seen))
     return out
 
 
@@ -1297,6 +1355,11 @@ def rank_deficiency_note(report: DeadDirectionReport) -> str | None:
 _HALF_TRUE = ("bf16-true", "16-true")
 
 
+def _paths(value: Any) -> bool:
+    """A list or tuple of strings (module paths)."""
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+
+
 def check_layers(layers: str | Iterable[str], owner: str) -> str | list[str]:
     """``"auto"`` or a list of module paths (a generator is read once), else
     :class:`~normscope._common.ConfigurationError` naming ``owner``."""
@@ -1339,6 +1402,7 @@ class DeadDirectionFamily:
         seed: int = 0,
         sources: Callable[[Any], Any] | str | None = None,
         max_sources: int = 8,
+        attention: str | Sequence[str] | None = "auto",
     ) -> None:
         owner = self.kind
         self.layers = check_layers(layers, owner)
@@ -1378,6 +1442,12 @@ class DeadDirectionFamily:
         self.seed = seed
         self.sources = sources
         self.max_sources = max_sources
+        if not (attention is None or attention == "auto" or _paths(attention)):
+            raise ConfigurationError(
+                f'{owner}: attention must be "auto", a list of module paths or None, got '
+                f"{attention!r}"
+            )
+        self.attention = attention
         self.tracker: DeadDirectionTracker | None = None
         self._discovering = False
         self._saved: dict[str, Any] = {}  # state loaded before the tracker existed
@@ -1405,6 +1475,7 @@ class DeadDirectionFamily:
                 max_memory=self.max_memory,
                 sources=self.sources,
                 max_sources=self.max_sources,
+                attention=self.attention,
             )
         except (TypeError, ValueError) as err:  # NormDiscoveryError is a ValueError
             raise ConfigurationError(f"{self.kind}: {err}") from err
