@@ -377,8 +377,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     verdict["stream"] = stream_alarms(records)
     s = verdict["stream"]
     print(
-        f"\nstream rules (issue 32) on the healthy reads: {s['alerts']} alerts in {s['reads']} "
-        f"reads, {s['judged']} of them with a finite dd/rms_growth_max ({s['by_rule'] or 'none'})"
+        f"\nstream and attention rules (issue 32) on the healthy reads: {s['alerts']} alerts in "
+        f"{s['reads']} reads, {s['judged']} of them with a finite dd/rms_growth_max, "
+        f"{s['attn_judged']} with a finite dd/attn_logit_max (largest {s['attn_max']:.4g}) "
+        f"({s['by_rule'] or 'none'})"
     )
     verdict["records"] = len(records)
     return verdict
@@ -387,24 +389,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def stream_alarms(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The monitor's stream rules on every healthy monitor's reads (every alert is false). Only
     the residual points are read here (no norm layer): ``stream_scale_growth`` and
-    ``non_finite_rows`` decide; ``representation_collapse`` and ``norm_gain_drift`` need the
-    final norm's and the gains' reads and stay silent."""
+    ``non_finite_rows`` decide, and ``attention_logit_growth`` on the attention read (which no
+    memory budget removes); ``representation_collapse`` and ``norm_gain_drift`` need the final
+    norm's and the gains' reads and stay silent."""
     series: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         if r["kind"] == "healthy":
             series[(r["run"], r["every"], r["max_rows"], r["per_dim"])].append(r)
-    reads = alerts = judged = 0
+    reads = alerts = judged = attn_judged = 0
+    attn_max = -math.inf
     by_rule: dict[str, int] = defaultdict(int)
     for rs in series.values():
         rules = default_dead_direction_rules({}, None, kernel=False)
         for r in sorted(rs, key=lambda r: r["step"]):
             reads += 1
             judged += math.isfinite(r["metrics"].get("dd/rms_growth_max", math.nan))
+            logit = r["metrics"].get("dd/attn_logit_max", math.nan)
+            if math.isfinite(logit):
+                attn_judged += 1
+                attn_max = max(attn_max, logit)
             for rule in rules:
                 for a in rule.evaluate(r["metrics"], r["step"]):
                     alerts += 1
                     by_rule[a.rule] += 1
-    return {"reads": reads, "alerts": alerts, "judged": judged, "by_rule": dict(by_rule)}
+    return {
+        "reads": reads,
+        "alerts": alerts,
+        "judged": judged,
+        "attn_judged": attn_judged,
+        "attn_max": attn_max,
+        "by_rule": dict(by_rule),
+    }
 
 
 if __name__ == "__main__":

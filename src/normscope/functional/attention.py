@@ -119,10 +119,16 @@ def sdpa_logit_max(
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     block = max(1, CHUNK_ENTRIES // max(1, math.prod(lead) * span))
     kt = k.to(work).transpose(-2, -1)
+    additive = attn_mask is not None and attn_mask.dtype != torch.bool
+    # max(s x) = s max(x) for s > 0: the scale is applied to the maximum, not to every logit,
+    # unless an additive mask must be added to the scaled logits first
+    late = s > 0 and not additive
     best = torch.full((), -math.inf, dtype=torch.float64, device=q.device)
     for lo in range(0, length, block):
         hi = min(length, lo + block)
-        logits = (q[..., lo:hi, :].to(work) @ kt) * s
+        logits = q[..., lo:hi, :].to(work) @ kt  # a fresh tensor: masked in place below
+        if not late:
+            logits.mul_(s)
         keep = None
         if is_causal:
             i = torch.arange(lo, hi, device=q.device).unsqueeze(-1)
@@ -133,14 +139,18 @@ def sdpa_logit_max(
                 if attn_mask.ndim >= 2 and attn_mask.shape[-2] > 1
                 else attn_mask
             )
-            if m.dtype == torch.bool:
+            if not additive:
                 keep = m if keep is None else keep & m
             else:
                 logits = logits + m.to(work)
         if keep is not None:
-            logits = logits.masked_fill(~keep, -math.inf)
+            if torch.broadcast_shapes(keep.shape, logits.shape) == logits.shape:
+                logits.masked_fill_(~keep, -math.inf)
+            else:  # a mask with more leading dimensions than the logits: broadcast up
+                logits = logits.masked_fill(~keep, -math.inf)
         rows = None if query_mask is None else query_mask[:, lo:hi].to(logits.device)
-        best = torch.maximum(best, logit_max(logits, rows))
+        top = logit_max(logits, rows)
+        best = torch.maximum(best, top * s if late else top)
     return best
 
 
