@@ -1354,9 +1354,7 @@ class AttentionLogitRule(_EpisodeRule):
         if not values:
             return None, None
         # a baseline is a finite first read; an overflow (+inf) never is one: it is over any line
-        new = {
-            m: v for m, v in values.items() if m not in self.baselines and math.isfinite(v)
-        }
+        new = {m: v for m, v in values.items() if m not in self.baselines and math.isfinite(v)}
         self.baselines.update(new)
         over = {
             m: v
