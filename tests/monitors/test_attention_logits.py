@@ -143,3 +143,22 @@ def test_no_attention_module_logs_the_count_zero_and_nothing_else():
     tracker.detach()
     assert got["dd/attn_modules_read"] == 0.0
     assert not any(k.endswith(("max_logit", "attn_logit_max")) for k in got)
+
+
+def test_a_read_that_keeps_its_window_keeps_the_logits_too():
+    torch.manual_seed(0)
+    model = TinyLM()
+    x = torch.randint(0, 32, (4, 16))
+    tracker = DeadDirectionTracker(model)
+    tracker.attach(forward=lambda: model(x))
+    with tracker.gate.sampling():
+        model(x)
+    kept = tracker.read(0, reset=False).as_dict()
+    again = tracker.read(1).as_dict()  # the same window, then a new one
+    with tracker.gate.sampling():
+        model(x * 0 + 1)
+    fresh = tracker.read(2).as_dict()
+    tracker.detach()
+    assert kept["dd/attn_modules_read"] == 2.0
+    assert again["dd/attn_logit_max"] == kept["dd/attn_logit_max"]
+    assert fresh["dd/attn_logit_max"] != kept["dd/attn_logit_max"]  # other tokens, new window

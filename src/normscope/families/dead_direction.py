@@ -864,8 +864,8 @@ def take_window(tracker: DeadDirectionTracker, step: int, *, swap: bool) -> Read
         failed_taps={f"{t.module_name}:{t.where}": t.failed for t in live if t.failed},
     )
     window.covers = _covered(window)
-    if tracker.attention is not None:  # the live maxima start over whether or not swapped
-        window.attention = tracker.attention.take()
+    if tracker.attention is not None:  # swapped: the live maxima start over; else reset() does
+        window.attention = tracker.attention.take() if swap else dict(tracker.attention.maxima)
     elif tracker.attention_on:
         window.attention = {}  # asked for, no attention module found: the count says 0
     if swap:
