@@ -147,6 +147,7 @@ class AttentionLogits:
 
     # ------------------------------------------------------------------ hooks
     def enter(self, name: str) -> None:
+        """``name``'s pre-hook: on a sampled, eager, non-recomputed forward, start reading."""
         # first: traced by torch.compile, the hook is nothing at all (no guard on the gate or
         # the state below, so it adds no recompile; the mode could not see a compiled graph)
         if torch.compiler.is_compiling():
@@ -158,6 +159,7 @@ class AttentionLogits:
         self._modes[name].append(mode)
 
     def exit(self, name: str) -> None:
+        """``name``'s forward hook (also when the forward raised): stop reading."""
         if torch.compiler.is_compiling():
             return
         stack = self._modes.get(name)
