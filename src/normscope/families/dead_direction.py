@@ -39,6 +39,7 @@ from normscope.alerts import (
 )
 from normscope.alerts.rules import classify_collapses, collapse_keys, source_reads
 from normscope.families.budget import fit_budget, stream_width
+from normscope.functional.covariance import fetch_counts
 from normscope.functional.dead_direction import (
     GammaRead,
     KernelRead,
@@ -56,10 +57,9 @@ from normscope.functional.profile import (
 )
 from normscope.functional.stream import (
     effective_rank,
-    gain_drift,
+    gain_drifts,
     nonfinite_share,
-    offset_share,
-    stream_rms,
+    stream_scales,
 )
 from normscope.taps.hooks import (
     Gate,
@@ -883,6 +883,11 @@ def solve_window(
     out = ReadRecords()
     rank, world = share
     try:
+        # every row count and rejected count on the host in one copy (a read asks for them
+        # many times: the accumulators keep them until their state changes)
+        accs = [t.accumulator for t in window.taps]
+        accs += [a for group in (window.sources or {}).values() for a in group]
+        fetch_counts(accs)
         for i, job in enumerate(_jobs(window)):
             if i % world == rank:
                 _solve_job(tracker, window, job, out)
@@ -995,25 +1000,50 @@ def stream_reads(window: ReadWindow) -> dict[str, float]:
     layer's ``out_offset_share`` (of its output), and the final norm's output ``rankme`` (of
     its second moment, as Garrido et al.) and ``rankme_centred`` (of its covariance)."""
     out: dict[str, float] = {}
+    # every point's and norm output's (mean, diag C, N), read together (stream_scales: one
+    # stacked reduction, one copy to the host)
+    names: list[tuple[str, str | None]] = []  # (prefix, the rms key's prefix or None)
+    accs: list[Any] = []
     points = window.layout.points if window.layout is not None else ()
     if window.profile_on and len(points) == len(window.point_taps):
         for point, tap in zip(points, window.point_taps):
-            acc = tap.accumulator
-            var, n = acc.comoment.diagonal() / max(acc.count, 1), acc.count
-            out[f"{point.name}/offset_share"] = offset_share(acc.mean, var, n)
-            out[f"{point.name}/rms"] = stream_rms(acc.mean, var, n)
+            names.append((f"{point.name}/offset_share", f"{point.name}/rms"))
+            accs.append(tap.accumulator)
     for norm in window.norms:
         if norm.name in window.skip:
             continue
-        acc = window.norm_taps[norm.name][1].accumulator
-        var = acc.comoment.diagonal() / max(acc.count, 1)
-        out[f"{norm.name}/out_offset_share"] = offset_share(acc.mean, var, acc.count)
+        names.append((f"{norm.name}/out_offset_share", None))
+        accs.append(window.norm_taps[norm.name][1].accumulator)
+    if accs:
+        counts = [acc.count for acc in accs]
+        shares, rms = stream_scales([acc.mean for acc in accs], _variances(accs), counts)
+        for (share_key, rms_key), share, scale in zip(names, shares, rms):
+            out[share_key] = share
+            if rms_key is not None:
+                out[rms_key] = scale
     final = window.layout.final_norm if window.layout is not None else None
     if final is not None and final in window.norm_taps and final not in window.skip:
         acc = window.norm_taps[final][1].accumulator
         out[f"{final}/rankme"] = effective_rank(acc.second_moment(), acc.count)
         out[f"{final}/rankme_centred"] = effective_rank(acc.covariance(), acc.count)
         out["final_rows_per_dim"] = acc.count / acc.dim
+    return out
+
+
+def _variances(accs: Sequence[Any]) -> list[torch.Tensor]:
+    """Each accumulator's per-channel variance ``diag(M) / max(N, 1)``, the divisions as one
+    op per group of equal widths (the count tensors stacked, no host sync)."""
+    diagonals = [acc.comoment.diagonal() for acc in accs]
+    out: list[torch.Tensor] = list(diagonals)
+    groups: dict[tuple, list[int]] = {}
+    for i, (diag, acc) in enumerate(zip(diagonals, accs)):
+        key = (diag.shape, diag.device, acc.count_tensor.device)
+        groups.setdefault(key, []).append(i)
+    for idx in groups.values():
+        n = torch.stack([accs[i].count_tensor for i in idx]).clamp_min(1)
+        var = torch.stack([diagonals[i] for i in idx]) / n[:, None].to(diagonals[idx[0]].device)
+        for i, row in zip(idx, var.unbind(0)):
+            out[i] = row
     return out
 
 
@@ -1024,18 +1054,21 @@ def stream_keys(
     with the reads that need the tracker's memory, and the run-level summaries. Sets each
     norm's gain baseline at its first read and keeps each point's RMS for the next read."""
     out = dict(solved)
+    read: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     for norm in window.norms:
         gamma = window.gammas.get(norm.name)
         if not isinstance(gamma, torch.Tensor) or gamma.ndim != 1 or gamma.numel() == 0:
             continue
-        base = tracker.gain_baselines.setdefault(  # set at attach; else by this first read
-            norm.name, gamma.detach().to(torch.float64).clone()
-        )
+        base = tracker.gain_baselines.get(norm.name)
+        if base is None:  # set at attach; else by this first read
+            base = tracker.gain_baselines[norm.name] = gamma.detach().to(torch.float64).clone()
         if base.shape != gamma.shape:
             continue
-        scale, crossed = gain_drift(gamma, base.to(gamma.device))
-        out[f"{norm.name}/gamma_scale"] = scale
-        out[f"{norm.name}/gamma_crossed"] = crossed
+        read.append((norm.name, gamma, base))
+    drifts = gain_drifts([r[1] for r in read], [r[2] for r in read])  # one batch, one copy
+    for (name, _, _), (scale, crossed) in zip(read, drifts):
+        out[f"{name}/gamma_scale"] = scale
+        out[f"{name}/gamma_crossed"] = crossed
     points = window.layout.points if window.layout is not None else ()
     for point in points:
         rms = out.get(f"{point.name}/rms", math.nan)

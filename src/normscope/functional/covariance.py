@@ -43,7 +43,13 @@ from einops import rearrange
 from normscope.functional._rows import check_dim, check_rows
 from normscope.functional.fold import add_gram_, centre_rows, fold_plan, mirror_upper_
 
-__all__ = ["StreamingCovariance", "pick_rows", "symmetric_eigh", "symmetric_eigvalsh"]
+__all__ = [
+    "StreamingCovariance",
+    "fetch_counts",
+    "pick_rows",
+    "symmetric_eigh",
+    "symmetric_eigvalsh",
+]
 
 
 def pick_rows(
@@ -137,13 +143,30 @@ class StreamingCovariance:
 
     @property
     def count(self) -> int:
-        """Rows accumulated so far (a host sync: call it at read time, not in a hook)."""
-        return int(self._n.item())
+        """Rows accumulated so far (a host sync: call it at read time, not in a hook). Kept on
+        the host until the state changes: a read asks for it many times, syncs once
+        (:func:`fetch_counts` syncs once for many accumulators)."""
+        return self._host_counts()[0]
 
     @property
     def rows_rejected(self) -> int:
-        """Rows dropped because they held NaN or Inf (masked-out rows are not counted)."""
-        return int(self._rejected.item())
+        """Rows dropped because they held NaN or Inf (masked-out rows are not counted); a host
+        sync kept as :attr:`count` is."""
+        return self._host_counts()[1]
+
+    def _counts_key(self) -> tuple:
+        # the state tensors themselves and their in-place versions: any fold, merge, reduce,
+        # reset or load changes one of them
+        n, rejected = self._n, self._rejected
+        return (n, n._version, rejected, rejected._version)
+
+    def _host_counts(self) -> tuple[int, int]:
+        key = self._counts_key()
+        cached = getattr(self, "_counts_cache", None)
+        if cached is None or not _same_state(cached[0], key):
+            fetch_counts([self])
+            cached = self._counts_cache
+        return cached[1]
 
     @property
     def count_tensor(self) -> torch.Tensor:
@@ -351,6 +374,39 @@ class StreamingCovariance:
         return (
             f"StreamingCovariance(dim={self.dim}, device={self.device}, max_rows={self.max_rows})"
         )
+
+
+def _same_state(a: tuple, b: tuple) -> bool:
+    return a[0] is b[0] and a[1] == b[1] and a[2] is b[2] and a[3] == b[3]
+
+
+def fetch_counts(accumulators: Any) -> None:
+    """Read the row counts and rejected counts of many :class:`StreamingCovariance`
+    accumulators to the host in one transfer per device (one host sync instead of two per
+    accumulator); :attr:`~StreamingCovariance.count` and
+    :attr:`~StreamingCovariance.rows_rejected` then answer from the host until the state
+    changes. Other objects in ``accumulators`` are skipped.
+
+    Example::
+
+        >>> accs = [StreamingCovariance(2), StreamingCovariance(2)]
+        >>> accs[1].update(torch.ones(3, 2))
+        >>> fetch_counts(accs)
+        >>> [a.count for a in accs]
+        [0, 3]
+    """
+    by_device: dict[torch.device, list[StreamingCovariance]] = {}
+    for acc in accumulators:
+        if isinstance(acc, StreamingCovariance):
+            by_device.setdefault(acc._n.device, []).append(acc)
+    for group in by_device.values():
+        keys = [acc._counts_key() for acc in group]
+        counts = torch.stack([k[0] for k in keys])
+        rejected = torch.stack([k[2] for k in keys]).to(torch.float64)
+        host = torch.cat([counts, rejected]).tolist()  # exact: integers below 2**53
+        m = len(group)
+        for i, (acc, key) in enumerate(zip(group, keys)):
+            acc._counts_cache = (key, (int(host[i]), int(host[m + i])))
 
 
 def _symmetrised(matrix: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.device]:
