@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GammaRead", "gamma_read", "predicted_kernel"]
+__all__ = ["GammaRead", "as_float64", "gamma_read", "predicted_kernel"]
 
 _NAN = math.nan
 
@@ -23,18 +23,28 @@ def _real_tensor(x: object, where: str, what: str, ok: bool, expected: str) -> t
     if not isinstance(x, torch.Tensor) or not ok or x.is_complex():
         got = f"shape {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x)
         raise ValueError(f"{where}: {what} must be a real {expected}, got {got}")
-    return x.detach().to(torch.float64)
+    return as_float64(x)
+
+
+def as_float64(x: torch.Tensor) -> torch.Tensor:
+    """``x`` detached and in float64: ``x`` itself when it already is (no op, no copy; the
+    reads never write into what they are given)."""
+    if x.requires_grad:
+        x = x.detach()
+    return x if x.dtype == torch.float64 else x.to(torch.float64)
 
 
 def square_matrix(matrix: torch.Tensor, where: str, what: str) -> torch.Tensor:
-    """``matrix`` as float64, or a ValueError saying a square ``(d, d)`` tensor is expected."""
+    """``matrix`` as float64 (:func:`as_float64`), or a ValueError saying a square ``(d, d)``
+    tensor is expected."""
     ok = isinstance(matrix, torch.Tensor) and matrix.ndim == 2
     ok = ok and matrix.shape[0] == matrix.shape[1] > 0
     return _real_tensor(matrix, where, what, ok, "square (d, d) tensor with d >= 1")
 
 
 def gamma_vector(gamma: torch.Tensor, where: str) -> torch.Tensor:
-    """``gamma`` as float64, or a ValueError saying a non-empty ``(d,)`` tensor is expected."""
+    """``gamma`` as float64 (:func:`as_float64`), or a ValueError saying a non-empty ``(d,)``
+    tensor is expected."""
     ok = isinstance(gamma, torch.Tensor) and gamma.ndim == 1 and gamma.numel() > 0
     return _real_tensor(gamma, where, "gamma", ok, "non-empty 1-D tensor (d,)")
 
@@ -104,16 +114,21 @@ def gamma_read(gamma: torch.Tensor, *, dead_tol: float = 1e-6) -> GammaRead:
     d = g.numel()
     mag = g.abs()
     finite = torch.isfinite(g)
-    if not bool(finite.all()):
+    top = mag.max()
+    dead_mask = mag <= dead_tol * top
+    # every number of the read in one copy to the host (the dead channels' indices only
+    # when there are any): [finite, dead count, min, max, std, mean |gamma|]
+    stats = torch.stack(
+        [finite.all(), dead_mask.sum(), g.min(), g.max(), g.std(correction=0), mag.mean()]
+    ).tolist()
+    all_finite, n_dead, gmin, gmax, std, mabs = stats
+    if not all_finite:
         top = mag[finite].max() if bool(finite.any()) else torch.zeros((), dtype=g.dtype)
         dead = torch.nonzero(finite & (mag <= dead_tol * top)).flatten().tolist()
         return GammaRead(len(dead), _NAN, _NAN, _NAN, tuple(dead), None, "non_finite_gamma", d)
-    top = mag.max()
-    dead = tuple(torch.nonzero(mag <= dead_tol * top).flatten().tolist())
-    mean_abs = mag.mean()
-    gmin, gmax, std, mabs = torch.stack([g.min(), g.max(), g.std(correction=0), mean_abs]).tolist()
     spread = std / mabs if mabs > 0 else _NAN
-    if dead:
+    if n_dead:
+        dead = tuple(torch.nonzero(dead_mask).flatten().tolist())
         return GammaRead(len(dead), gmin, gmax, spread, dead, None, "dead_channels", d)
     # top / gamma lies in [1, 1/dead_tol] in magnitude: no overflow however small gamma is.
     inv = top / g
@@ -142,7 +157,7 @@ def predicted_kernel(
     read = gamma_or_read if isinstance(gamma_or_read, GammaRead) else gamma_read(gamma_or_read)
     if read.v_star is not None:
         out = read.v_star.reshape(-1, 1)
-        return out.to(device) if device is not None else out
+        return out.to(device) if device is not None and out.device != device else out
     eye = torch.eye(read.dim, dtype=torch.float64, device=device)
     if read.reason == "non_finite_gamma":
         return eye[:, :0]

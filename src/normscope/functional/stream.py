@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from normscope.functional.covariance import symmetric_eigvalsh
-from normscope.functional.gamma import gamma_vector, row_count, square_matrix
+from normscope.functional.gamma import as_float64, gamma_vector, row_count, square_matrix
 
 __all__ = [
     "effective_rank",
@@ -41,7 +41,7 @@ def _vector(x: torch.Tensor, where: str, what: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.ndim != 1 or x.numel() == 0 or x.is_complex():
         got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{where}: {what} must be a real non-empty 1-D tensor (d,), got {got}")
-    return x.detach().to(torch.float64)
+    return as_float64(x)
 
 
 def _mean_and_variance(
