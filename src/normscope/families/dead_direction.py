@@ -39,7 +39,7 @@ from normscope.alerts import (
 )
 from normscope.alerts.rules import classify_collapses, collapse_keys, source_reads
 from normscope.families.budget import fit_budget, stream_width
-from normscope.functional.covariance import fetch_counts
+from normscope.functional.covariance import fetch_counts, host_array, on_device
 from normscope.functional.dead_direction import (
     GammaRead,
     KernelRead,
@@ -48,6 +48,7 @@ from normscope.functional.dead_direction import (
     kernel_read,
 )
 from normscope.functional.depth import DepthRead, input_reads, secular_bottom
+from normscope.functional.gamma import gamma_reads
 from normscope.functional.profile import (
     RANK_DEFICIENT,
     RANK_TOL,
@@ -486,9 +487,10 @@ class DeadDirectionTracker:
         return "post" if layout is not None and layout.style == "post-norm" else "pre"
 
     def read_norm(
-        self, norm: NormLayer, tap_in: Tap, tap_out: Tap, gamma: torch.Tensor
+        self, norm: NormLayer, tap_in: Tap, tap_out: Tap, gamma: torch.Tensor | GammaRead
     ) -> NormReport:
-        """One norm layer's reads from its taps with the window's ``gamma``."""
+        """One norm layer's reads from its taps with the window's ``gamma`` (or its
+        :class:`~normscope.functional.gamma.GammaRead`, already taken)."""
         return read_norm(norm, tap_in, tap_out, gamma, self.null_tol, self.placement)
 
     def window_gammas(self) -> dict[str, torch.Tensor]:
@@ -888,18 +890,43 @@ def solve_window(
         accs = [t.accumulator for t in window.taps]
         accs += [a for group in (window.sources or {}).values() for a in group]
         fetch_counts(accs)
-        for i, job in enumerate(_jobs(window)):
-            if i % world == rank:
-                _solve_job(tracker, window, job, out)
+        jobs = [job for i, job in enumerate(_jobs(window)) if i % world == rank]
+        gammas = _gamma_reads(window, [job[1] for job in jobs if job[0] == "norm"])
+        for job in jobs:
+            _solve_job(tracker, window, job, out, gammas)
     except Exception as err:  # noqa: BLE001 - the monitor decides (fail-open)
         out.error = f"{type(err).__name__}: {err}"
     return out
 
 
-def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, out: ReadRecords):
+def _gamma_reads(window: ReadWindow, norms: list[Any]) -> dict[str, GammaRead]:
+    """The gamma reads of ``norms`` in one batch (:func:`gamma_reads`: one copy to the host),
+    by norm name; a gamma the batch cannot take (not a real 1-D tensor) or a batch that failed
+    is left to its norm's job, whose failure is that layer's only."""
+    names = [
+        n.name
+        for n in norms
+        if isinstance(g := window.gammas.get(n.name), torch.Tensor)
+        and g.ndim == 1
+        and g.numel() > 0
+        and not g.is_complex()
+    ]
+    try:
+        return dict(zip(names, gamma_reads([window.gammas[n] for n in names])))
+    except Exception:  # noqa: BLE001 - each norm's job reads its own gamma again
+        return {}
+
+
+def _solve_job(
+    tracker: DeadDirectionTracker,
+    window: ReadWindow,
+    job: tuple,
+    out: ReadRecords,
+    gammas: dict[str, GammaRead] | None = None,
+):
     kind, what = job
     if kind == "norm":
-        _solve_norm(tracker, window, what, out)
+        _solve_norm(tracker, window, what, out, (gammas or {}).get(what.name))
         return
     out.solves += 1
     try:
@@ -922,12 +949,19 @@ def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, ou
             out.profile_failure = out.profile_failure or why
 
 
-def _solve_norm(tracker: DeadDirectionTracker, window: ReadWindow, norm: Any, out: ReadRecords):
+def _solve_norm(
+    tracker: DeadDirectionTracker,
+    window: ReadWindow,
+    norm: Any,
+    out: ReadRecords,
+    gamma: GammaRead | None = None,
+):
     tap_in, tap_out = window.norm_taps[norm.name]
     point = window.covers.get(norm.name)
     report = None
     try:
-        report = tracker.read_norm(norm, tap_in, tap_out, window.gammas[norm.name])
+        gamma = gamma if gamma is not None else window.gammas[norm.name]
+        report = tracker.read_norm(norm, tap_in, tap_out, gamma)
     except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
         out.norm_failures[norm.name] = f"{type(err).__name__}: {err}"
     if point is not None:  # the residual point this norm reads: a read of the profile's
@@ -958,7 +992,7 @@ def point_from_spectrum(
     if spectrum is None:
         return point_sigma(accumulator.second_moment(), accumulator.count, anchor=anchor)
     evals, evecs = spectrum
-    host = torch.stack([evals, evecs.mT @ accumulator.mean.to(evecs)]).cpu().numpy()
+    host = host_array(torch.stack([evals, evecs.mT @ on_device(accumulator.mean, evecs)]))
     lam, z2 = host[0], host[1] ** 2
     low = secular_bottom(lam, z2)
     reason = None
@@ -973,7 +1007,7 @@ def read_norm(
     norm: NormLayer,
     tap_in: Tap,
     tap_out: Tap,
-    gamma: torch.Tensor,
+    gamma: torch.Tensor | GammaRead,
     null_tol: float,
     placement: str = "pre",
 ) -> NormReport:
@@ -982,8 +1016,10 @@ def read_norm(
     ``v*``'s depth with its control (one ``eigh`` for both: :func:`input_reads`;
     docs/metrics.md §1.3). ``placement="post"``
     (a post-norm block: the input is not the residual stream): the input reads are NaN with
-    the reason ``post_norm``."""
-    g = gamma_read(gamma)
+    the reason ``post_norm``. ``gamma`` may be its
+    :class:`~normscope.functional.gamma.GammaRead` already taken (:func:`solve_window` takes
+    every norm's in one batch, :func:`~normscope.functional.gamma.gamma_reads`)."""
+    g = gamma if isinstance(gamma, GammaRead) else gamma_read(gamma)
     n_out = tap_out.accumulator.count
     n_in = tap_in.accumulator.count
     kernel = kernel_read(

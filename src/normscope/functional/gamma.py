@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GammaRead", "as_float64", "gamma_read", "predicted_kernel"]
+__all__ = ["GammaRead", "as_float64", "gamma_read", "gamma_reads", "predicted_kernel"]
 
 _NAN = math.nan
 
@@ -133,6 +133,57 @@ def gamma_read(gamma: torch.Tensor, *, dead_tol: float = 1e-6) -> GammaRead:
     # top / gamma lies in [1, 1/dead_tol] in magnitude: no overflow however small gamma is.
     inv = top / g
     return GammaRead(0, gmin, gmax, spread, (), inv / torch.linalg.vector_norm(inv), None, d)
+
+
+def gamma_reads(gammas: list[torch.Tensor], *, dead_tol: float = 1e-6) -> list[GammaRead]:
+    """:func:`gamma_read` of many norm layers at once: gains of the same width, dtype and
+    device are stacked and their statistics (extremes, spread, finiteness, dead count) reach
+    the host in one copy per group; ``v*`` is formed per layer exactly as :func:`gamma_read`
+    forms it (the same float64 vector), and a layer with a dead or non-finite channel is read
+    by :func:`gamma_read` itself. The same reads as one call each, ``gamma_spread`` within
+    float64 rounding (a row of a stacked reduction may sum in another order).
+
+    Example::
+
+        >>> reads = gamma_reads([torch.tensor([1.0, 2.0, 0.0, 4.0]), torch.ones(4)])
+        >>> [r.reason for r in reads], reads[1].gamma_spread
+        (['dead_channels', None], 0.0)
+    """
+    if not (isinstance(dead_tol, (int, float)) and math.isfinite(dead_tol) and dead_tol >= 0):
+        raise ValueError(f"gamma_reads: dead_tol must be a finite number >= 0, got {dead_tol!r}")
+    gs = [gamma_vector(g, "gamma_reads") for g in gammas]
+    out: list[GammaRead | None] = [None] * len(gs)
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(gs):
+        groups.setdefault((g.shape, g.device), []).append(i)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = gamma_read(gs[idx[0]], dead_tol=dead_tol)
+            continue
+        g = torch.stack([gs[i] for i in idx])
+        mag = g.abs()
+        top = mag.max(dim=1).values
+        stats = torch.stack(
+            [
+                torch.isfinite(g).all(dim=1),
+                (mag <= dead_tol * top[:, None]).sum(dim=1),
+                g.min(dim=1).values,
+                g.max(dim=1).values,
+                g.std(dim=1, correction=0),
+                mag.mean(dim=1),
+            ]
+        ).tolist()
+        d = g.shape[1]
+        for i, top_i, all_finite, n_dead, gmin, gmax, std, mabs in zip(idx, top.unbind(0), *stats):
+            if not all_finite or n_dead:  # the rare reads: gamma_read's own path
+                out[i] = gamma_read(gs[i], dead_tol=dead_tol)
+                continue
+            spread = std / mabs if mabs > 0 else _NAN
+            inv = top_i / gs[i]  # as gamma_read: the same v*, to the last bit
+            out[i] = GammaRead(
+                0, gmin, gmax, spread, (), inv / torch.linalg.vector_norm(inv), None, d
+            )
+    return out  # type: ignore[return-value]
 
 
 def predicted_kernel(

@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from normscope.functional.covariance import symmetric_eigvalsh
+from normscope.functional.covariance import host_array, symmetric_eigvalsh
 from normscope.functional.gamma import as_float64, gamma_vector, row_count, square_matrix
 
 __all__ = [
@@ -214,15 +215,16 @@ def effective_rank(moment: torch.Tensor, n_rows: int) -> float:
     m = square_matrix(moment, where, "moment")
     if row_count(n_rows, where) < 2 or not bool(torch.isfinite(m).all()):
         return _NAN
-    lam = symmetric_eigvalsh(m).clamp_min(0.0)
-    lam = torch.where(lam < 1e-10 * lam.max(), torch.zeros_like(lam), lam)
-    s = lam.sqrt()
+    # the spectrum on the host in one copy; the rest is O(d) there
+    lam = np.maximum(host_array(symmetric_eigvalsh(m)), 0.0)
+    lam = np.where(lam < 1e-10 * lam.max(), 0.0, lam)
+    s = np.sqrt(lam)
     total = float(s.sum())
     if not (math.isfinite(total) and total > 0):
         return _NAN
     p = s / total
     p = p[p > 0]
-    return float(torch.exp(-(p * p.log()).sum()))
+    return float(np.exp(-(p * np.log(p)).sum()))
 
 
 def gain_drift(gamma: torch.Tensor, baseline: torch.Tensor) -> tuple[float, float]:
