@@ -249,7 +249,7 @@ def kernel_read(
     try:
         pcp = p_t @ c @ p
         # one predicted direction (no dead channel): P^T C P is the number v*^T C v* itself
-        top = pcp[0, 0] if k == 1 else symmetric_eigvalsh(pcp)[-1]
+        top = pcp.reshape(()) if k == 1 else symmetric_eigvalsh(pcp)[-1]
         floor = None
         if factor is not None:
             try:
@@ -262,7 +262,8 @@ def kernel_read(
             # the eigendecomposition of C already taken: no second one (secular equation);
             # U^T v* joins the one copy to the host below
             if removed.shape[1]:
-                removed_z = evecs.mT @ removed[:, 0]
+                v = on_device(g.v_star, c) if g.v_star is not None else removed[:, 0]
+                removed_z = evecs.mT @ v
             else:
                 floor = _secular_floor_host(lam, None)
         elif floor is None:
