@@ -270,24 +270,26 @@ def kernel_read(
             floor = _restricted_floor(c, removed)
     except RuntimeError:
         return empty("eigh_failed", null_dim, bottom)
-    overlap = u_0.T @ p  # (null_dim, k)
-    subspace = torch.sqrt((overlap**2).sum() / k)
-    # every number left on the device reaches the host in one copy
-    scalars = [alignment, top, subspace]
+    overlap = (u_0.T @ p).reshape(-1)  # (null_dim, k), flat: its squares summed on the host
+    # every number left on the device reaches the host in one copy:
+    # [alignment, v*^T C v*, (centring's two forms), (U^T v*), overlap]
+    scalars = [alignment, top]
     if g.v_star is not None:
         scalars += list(_centring_parts(c, g, g))
-    host = torch.stack(scalars)
+    parts = [torch.stack(scalars)]
     if removed_z is not None:
-        host = torch.cat([host, removed_z])
-    host = host_array(host)
-    alignment_f, top_f, subspace_f = (float(x) for x in host[:3])
+        parts.append(removed_z)
+    host = host_array(torch.cat([*parts, overlap]))
+    alignment_f, top_f = float(host[0]), float(host[1])
     residual_f = top_f / lam_d
+    subspace_f = math.sqrt(float((host[host.shape[0] - overlap.shape[0] :] ** 2).sum()) / k)
     # Norms of projections of unit vectors: <= 1 but for an ulp of rounding.
     alignment_f, subspace_f = min(alignment_f, 1.0), min(subspace_f, 1.0)
     if removed_z is not None:
-        floor = _secular_floor_host(lam, host[len(scalars) :] ** 2)
+        z = host[len(scalars) : len(scalars) + removed_z.shape[0]]
+        floor = _secular_floor_host(lam, z**2)
 
-    centring = _NAN if g.v_star is None else _centring_host(float(host[3]), float(host[4]))
+    centring = _NAN if g.v_star is None else _centring_host(float(host[2]), float(host[3]))
     if g.reason is not None:
         norm_class = "indeterminate"
     elif centring <= LAYERNORM_RESIDUAL_MAX and (
