@@ -759,6 +759,8 @@ class ReadWindow:
     failed_taps: dict[str, str]
     #: norm name -> the residual point whose sigma_min that norm's job reads (:func:`_covered`)
     covers: dict[str, int] = field(default_factory=dict)
+    #: norm name -> its gamma read, taken for the norm jobs in one batch by :func:`solve_window`
+    gamma_reads: dict[str, GammaRead] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the read reads (for ``record_stream`` on a side CUDA stream)."""
@@ -891,9 +893,9 @@ def solve_window(
         accs += [a for group in (window.sources or {}).values() for a in group]
         fetch_counts(accs)
         jobs = [job for i, job in enumerate(_jobs(window)) if i % world == rank]
-        gammas = _gamma_reads(window, [job[1] for job in jobs if job[0] == "norm"])
+        window.gamma_reads = _gamma_reads(window, [job[1] for job in jobs if job[0] == "norm"])
         for job in jobs:
-            _solve_job(tracker, window, job, out, gammas)
+            _solve_job(tracker, window, job, out)
     except Exception as err:  # noqa: BLE001 - the monitor decides (fail-open)
         out.error = f"{type(err).__name__}: {err}"
     return out
@@ -917,16 +919,10 @@ def _gamma_reads(window: ReadWindow, norms: list[Any]) -> dict[str, GammaRead]:
         return {}
 
 
-def _solve_job(
-    tracker: DeadDirectionTracker,
-    window: ReadWindow,
-    job: tuple,
-    out: ReadRecords,
-    gammas: dict[str, GammaRead] | None = None,
-):
+def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, out: ReadRecords):
     kind, what = job
     if kind == "norm":
-        _solve_norm(tracker, window, what, out, (gammas or {}).get(what.name))
+        _solve_norm(tracker, window, what, out)
         return
     out.solves += 1
     try:
@@ -949,18 +945,12 @@ def _solve_job(
             out.profile_failure = out.profile_failure or why
 
 
-def _solve_norm(
-    tracker: DeadDirectionTracker,
-    window: ReadWindow,
-    norm: Any,
-    out: ReadRecords,
-    gamma: GammaRead | None = None,
-):
+def _solve_norm(tracker: DeadDirectionTracker, window: ReadWindow, norm: Any, out: ReadRecords):
     tap_in, tap_out = window.norm_taps[norm.name]
     point = window.covers.get(norm.name)
     report = None
     try:
-        gamma = gamma if gamma is not None else window.gammas[norm.name]
+        gamma = window.gamma_reads.get(norm.name, window.gammas[norm.name])
         report = tracker.read_norm(norm, tap_in, tap_out, gamma)
     except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
         out.norm_failures[norm.name] = f"{type(err).__name__}: {err}"
