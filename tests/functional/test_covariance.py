@@ -19,7 +19,12 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from normscope.functional import StreamingCovariance, symmetric_eigh, symmetric_eigvalsh
+from normscope.functional import (
+    StreamingCovariance,
+    fetch_counts,
+    symmetric_eigh,
+    symmetric_eigvalsh,
+)
 
 
 def rel_fro(a: torch.Tensor | np.ndarray, b: np.ndarray) -> float:
@@ -287,3 +292,22 @@ def test_two_process_reduce_equals_single_process(tmp_path, rows):
         assert rel_fro(acc.covariance(), single.covariance().numpy()) <= 1e-12
         assert rel_fro(acc.covariance(), reference) <= 1e-12
         np.testing.assert_allclose(acc.mean.numpy(), union.mean(0), rtol=1e-14)
+
+
+def test_counts_reach_the_host_once_and_follow_the_state():
+    """``count`` and ``rows_rejected`` are kept on the host until the state changes
+    (fetch_counts: many accumulators in one copy); a fold, a reset or a load is seen."""
+    a, b = StreamingCovariance(3), StreamingCovariance(3)
+    a.update(torch.ones(4, 3))
+    b.update(torch.tensor([[1.0, math.nan, 0.0], [1.0, 2.0, 3.0]]))
+    fetch_counts([a, b, "not an accumulator"])
+    assert (a.count, a.rows_rejected, b.count, b.rows_rejected) == (4, 0, 1, 1)
+    b.update(torch.tensor([[math.inf, 0.0, 0.0]]))  # in place on the rejected count
+    assert (b.count, b.rows_rejected) == (1, 2)
+    a.update(torch.ones(2, 3))
+    assert a.count == 6
+    state = a.state_dict()
+    a.reset()
+    assert (a.count, a.rows_rejected) == (0, 0)
+    a.load_state_dict(state)
+    assert a.count == 6

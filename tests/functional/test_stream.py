@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from normscope.functional import StreamingCovariance
+from normscope.functional.gamma import gamma_read, gamma_reads
 from normscope.functional.stream import (
     effective_rank,
     gain_drift,
+    gain_drifts,
     nonfinite_share,
     offset_share,
     stream_rms,
+    stream_scales,
 )
 
 
@@ -113,3 +116,49 @@ def test_nonfinite_share():
     assert nonfinite_share(0, 0) == 0.0
     with pytest.raises(ValueError):
         nonfinite_share(-1, 4)
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-15, abs=0.0)
+
+
+def test_the_batched_reads_equal_one_call_each():
+    """stream_scales, gain_drifts and gamma_reads (issue 35: one stacked computation and one
+    copy to the host per group of equal shapes) give each layer's single read: widths mixed,
+    a stream without rows, gains with a zero, a NaN, a dead channel."""
+    accs = [
+        _fold(_rows(300, d, off, seed)) for d, off, seed in ((8, 0.0, 1), (8, 3.0, 2), (5, 1.0, 3))
+    ]
+    accs.append(StreamingCovariance(8))  # no rows: NaN
+    means = [a.mean for a in accs]
+    variances = [a.comoment.diagonal() / max(a.count, 1) for a in accs]
+    counts = [a.count for a in accs]
+    shares, rms = stream_scales(means, variances, counts)
+    for mu, var, n, share, scale in zip(means, variances, counts, shares, rms):
+        assert _same(share, offset_share(mu, var, n)) and _same(scale, stream_rms(mu, var, n))
+    assert stream_scales([accs[0].mean], [accs[0].covariance()], [counts[0]])[0] == [shares[0]]
+
+    g = torch.Generator().manual_seed(0)
+    gammas = [torch.randn(8, generator=g, dtype=torch.float64) for _ in range(3)]
+    gammas[1][2] = 0.0
+    gammas[2][0] = math.nan
+    gammas.append(torch.randn(5, generator=g))  # float32, another width
+    bases = [torch.randn(g_.shape[0], generator=g, dtype=torch.float64) for g_ in gammas]
+    for got, gamma, base in zip(gain_drifts(gammas, bases), gammas, bases):
+        want = gain_drift(gamma, base)
+        assert _same(got[0], want[0]) and _same(got[1], want[1])
+    assert gain_drifts([], []) == []
+
+    gains = [torch.linspace(0.5, 2.0, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)]
+    gains += [torch.tensor([1.0, 0.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)]
+    gains += [torch.full((8,), math.inf, dtype=torch.float64), torch.rand(5, generator=g) + 0.5]
+    for got, gamma in zip(gamma_reads(gains), gains):
+        want = gamma_read(gamma)
+        assert (got.dead_channels, got.dead_index, got.reason, got.dim) == (
+            want.dead_channels, want.dead_index, want.reason, want.dim,
+        )  # fmt: skip
+        for key in ("gamma_min", "gamma_max", "gamma_spread"):
+            assert _same(getattr(got, key), getattr(want, key)), key
+        # v* itself, to the last bit: the kernel residual is a rounding-level quadratic form
+        assert (got.v_star is None) == (want.v_star is None)
+        assert got.v_star is None or torch.equal(got.v_star, want.v_star)

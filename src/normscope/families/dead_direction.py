@@ -39,6 +39,7 @@ from normscope.alerts import (
 )
 from normscope.alerts.rules import classify_collapses, collapse_keys, source_reads
 from normscope.families.budget import fit_budget, stream_width
+from normscope.functional.covariance import fetch_counts, host_array, on_device
 from normscope.functional.dead_direction import (
     GammaRead,
     KernelRead,
@@ -47,6 +48,7 @@ from normscope.functional.dead_direction import (
     kernel_read,
 )
 from normscope.functional.depth import DepthRead, input_reads, secular_bottom
+from normscope.functional.gamma import gamma_reads
 from normscope.functional.profile import (
     RANK_DEFICIENT,
     RANK_TOL,
@@ -56,10 +58,9 @@ from normscope.functional.profile import (
 )
 from normscope.functional.stream import (
     effective_rank,
-    gain_drift,
+    gain_drifts,
     nonfinite_share,
-    offset_share,
-    stream_rms,
+    stream_scales,
 )
 from normscope.taps.attention import AttentionLogits, find_attention_modules
 from normscope.taps.hooks import (
@@ -504,9 +505,10 @@ class DeadDirectionTracker:
         return "post" if layout is not None and layout.style == "post-norm" else "pre"
 
     def read_norm(
-        self, norm: NormLayer, tap_in: Tap, tap_out: Tap, gamma: torch.Tensor
+        self, norm: NormLayer, tap_in: Tap, tap_out: Tap, gamma: torch.Tensor | GammaRead
     ) -> NormReport:
-        """One norm layer's reads from its taps with the window's ``gamma``."""
+        """One norm layer's reads from its taps with the window's ``gamma`` (or its
+        :class:`~normscope.functional.gamma.GammaRead`, already taken)."""
         return read_norm(norm, tap_in, tap_out, gamma, self.null_tol, self.placement)
 
     def window_gammas(self) -> dict[str, torch.Tensor]:
@@ -781,6 +783,8 @@ class ReadWindow:
     #: attention module -> its largest logit in the window (None: none read; docs §1.7);
     #: None: no attention read asked for
     attention: dict[str, torch.Tensor | None] | None = None
+    #: norm name -> its gamma read, taken for the norm jobs in one batch by :func:`solve_window`
+    gamma_reads: dict[str, GammaRead] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the read reads (for ``record_stream`` on a side CUDA stream)."""
@@ -916,12 +920,36 @@ def solve_window(
     out = ReadRecords()
     rank, world = share
     try:
-        for i, job in enumerate(_jobs(window)):
-            if i % world == rank:
-                _solve_job(tracker, window, job, out)
+        # every row count and rejected count on the host in one copy (a read asks for them
+        # many times: the accumulators keep them until their state changes)
+        accs = [t.accumulator for t in window.taps]
+        accs += [a for group in (window.sources or {}).values() for a in group]
+        fetch_counts(accs)
+        jobs = [job for i, job in enumerate(_jobs(window)) if i % world == rank]
+        window.gamma_reads = _gamma_reads(window, [job[1] for job in jobs if job[0] == "norm"])
+        for job in jobs:
+            _solve_job(tracker, window, job, out)
     except Exception as err:  # noqa: BLE001 - the monitor decides (fail-open)
         out.error = f"{type(err).__name__}: {err}"
     return out
+
+
+def _gamma_reads(window: ReadWindow, norms: list[Any]) -> dict[str, GammaRead]:
+    """The gamma reads of ``norms`` in one batch (:func:`gamma_reads`: one copy to the host),
+    by norm name; a gamma the batch cannot take (not a real 1-D tensor) or a batch that failed
+    is left to its norm's job, whose failure is that layer's only."""
+    names = [
+        n.name
+        for n in norms
+        if isinstance(g := window.gammas.get(n.name), torch.Tensor)
+        and g.ndim == 1
+        and g.numel() > 0
+        and not g.is_complex()
+    ]
+    try:
+        return dict(zip(names, gamma_reads([window.gammas[n] for n in names])))
+    except Exception:  # noqa: BLE001 - each norm's job reads its own gamma again
+        return {}
 
 
 def _solve_job(tracker: DeadDirectionTracker, window: ReadWindow, job: tuple, out: ReadRecords):
@@ -959,7 +987,8 @@ def _solve_norm(tracker: DeadDirectionTracker, window: ReadWindow, norm: Any, ou
     point = window.covers.get(norm.name)
     report = None
     try:
-        report = tracker.read_norm(norm, tap_in, tap_out, window.gammas[norm.name])
+        gamma = window.gamma_reads.get(norm.name, window.gammas[norm.name])
+        report = tracker.read_norm(norm, tap_in, tap_out, gamma)
     except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
         out.norm_failures[norm.name] = f"{type(err).__name__}: {err}"
     if point is not None:  # the residual point this norm reads: a read of the profile's
@@ -990,7 +1019,7 @@ def point_from_spectrum(
     if spectrum is None:
         return point_sigma(accumulator.second_moment(), accumulator.count, anchor=anchor)
     evals, evecs = spectrum
-    host = torch.stack([evals, evecs.mT @ accumulator.mean.to(evecs)]).cpu().numpy()
+    host = host_array(torch.stack([evals, evecs.mT @ on_device(accumulator.mean, evecs)]))
     lam, z2 = host[0], host[1] ** 2
     low = secular_bottom(lam, z2)
     reason = None
@@ -1005,7 +1034,7 @@ def read_norm(
     norm: NormLayer,
     tap_in: Tap,
     tap_out: Tap,
-    gamma: torch.Tensor,
+    gamma: torch.Tensor | GammaRead,
     null_tol: float,
     placement: str = "pre",
 ) -> NormReport:
@@ -1014,8 +1043,10 @@ def read_norm(
     ``v*``'s depth with its control (one ``eigh`` for both: :func:`input_reads`;
     docs/metrics.md §1.3). ``placement="post"``
     (a post-norm block: the input is not the residual stream): the input reads are NaN with
-    the reason ``post_norm``."""
-    g = gamma_read(gamma)
+    the reason ``post_norm``. ``gamma`` may be its
+    :class:`~normscope.functional.gamma.GammaRead` already taken (:func:`solve_window` takes
+    every norm's in one batch, :func:`~normscope.functional.gamma.gamma_reads`)."""
+    g = gamma if isinstance(gamma, GammaRead) else gamma_read(gamma)
     n_out = tap_out.accumulator.count
     n_in = tap_in.accumulator.count
     kernel = kernel_read(
@@ -1032,19 +1063,27 @@ def stream_reads(window: ReadWindow) -> dict[str, float]:
     layer's ``out_offset_share`` (of its output), and the final norm's output ``rankme`` (of
     its second moment, as Garrido et al.) and ``rankme_centred`` (of its covariance)."""
     out: dict[str, float] = {}
+    # every point's and norm output's (mean, diag C, N), read together (stream_scales: one
+    # stacked reduction, one copy to the host)
+    names: list[tuple[str, str | None]] = []  # (prefix, the rms key's prefix or None)
+    accs: list[Any] = []
     points = window.layout.points if window.layout is not None else ()
     if window.profile_on and len(points) == len(window.point_taps):
         for point, tap in zip(points, window.point_taps):
-            acc = tap.accumulator
-            var, n = acc.comoment.diagonal() / max(acc.count, 1), acc.count
-            out[f"{point.name}/offset_share"] = offset_share(acc.mean, var, n)
-            out[f"{point.name}/rms"] = stream_rms(acc.mean, var, n)
+            names.append((f"{point.name}/offset_share", f"{point.name}/rms"))
+            accs.append(tap.accumulator)
     for norm in window.norms:
         if norm.name in window.skip:
             continue
-        acc = window.norm_taps[norm.name][1].accumulator
-        var = acc.comoment.diagonal() / max(acc.count, 1)
-        out[f"{norm.name}/out_offset_share"] = offset_share(acc.mean, var, acc.count)
+        names.append((f"{norm.name}/out_offset_share", None))
+        accs.append(window.norm_taps[norm.name][1].accumulator)
+    if accs:
+        counts = [acc.count for acc in accs]
+        shares, rms = stream_scales([acc.mean for acc in accs], _variances(accs), counts)
+        for (share_key, rms_key), share, scale in zip(names, shares, rms):
+            out[share_key] = share
+            if rms_key is not None:
+                out[rms_key] = scale
     final = window.layout.final_norm if window.layout is not None else None
     if final is not None and final in window.norm_taps and final not in window.skip:
         acc = window.norm_taps[final][1].accumulator
@@ -1075,6 +1114,23 @@ def attention_reads(maxima: dict[str, torch.Tensor | None]) -> dict[str, float]:
     return out
 
 
+def _variances(accs: Sequence[Any]) -> list[torch.Tensor]:
+    """Each accumulator's per-channel variance ``diag(M) / max(N, 1)``, the divisions as one
+    op per group of equal widths (the count tensors stacked, no host sync)."""
+    diagonals = [acc.comoment.diagonal() for acc in accs]
+    out: list[torch.Tensor] = list(diagonals)
+    groups: dict[tuple, list[int]] = {}
+    for i, (diag, acc) in enumerate(zip(diagonals, accs)):
+        key = (diag.shape, diag.device, acc.count_tensor.device)
+        groups.setdefault(key, []).append(i)
+    for idx in groups.values():
+        n = torch.stack([accs[i].count_tensor for i in idx]).clamp_min(1)
+        var = torch.stack([diagonals[i] for i in idx]) / n[:, None].to(diagonals[idx[0]].device)
+        for i, row in zip(idx, var.unbind(0)):
+            out[i] = row
+    return out
+
+
 def stream_keys(
     tracker: DeadDirectionTracker, window: ReadWindow, solved: dict[str, float]
 ) -> dict[str, float]:
@@ -1082,18 +1138,21 @@ def stream_keys(
     with the reads that need the tracker's memory, and the run-level summaries. Sets each
     norm's gain baseline at its first read and keeps each point's RMS for the next read."""
     out = dict(solved)
+    read: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     for norm in window.norms:
         gamma = window.gammas.get(norm.name)
         if not isinstance(gamma, torch.Tensor) or gamma.ndim != 1 or gamma.numel() == 0:
             continue
-        base = tracker.gain_baselines.setdefault(  # set at attach; else by this first read
-            norm.name, gamma.detach().to(torch.float64).clone()
-        )
+        base = tracker.gain_baselines.get(norm.name)
+        if base is None:  # set at attach; else by this first read
+            base = tracker.gain_baselines[norm.name] = gamma.detach().to(torch.float64).clone()
         if base.shape != gamma.shape:
             continue
-        scale, crossed = gain_drift(gamma, base.to(gamma.device))
-        out[f"{norm.name}/gamma_scale"] = scale
-        out[f"{norm.name}/gamma_crossed"] = crossed
+        read.append((norm.name, gamma, base))
+    drifts = gain_drifts([r[1] for r in read], [r[2] for r in read])  # one batch, one copy
+    for (name, _, _), (scale, crossed) in zip(read, drifts):
+        out[f"{name}/gamma_scale"] = scale
+        out[f"{name}/gamma_crossed"] = crossed
     points = window.layout.points if window.layout is not None else ()
     for point in points:
         rms = out.get(f"{point.name}/rms", math.nan)

@@ -2,6 +2,7 @@
 
 from normscope.functional.covariance import (
     StreamingCovariance,
+    fetch_counts,
     symmetric_eigh,
     symmetric_eigvalsh,
 )
@@ -18,6 +19,7 @@ from normscope.functional.dead_direction import (
     schur_quotient,
 )
 from normscope.functional.depth import DepthRead, InputRead, direction_depth, input_reads
+from normscope.functional.gamma import gamma_reads
 from normscope.functional.kernel import centring_residual
 from normscope.functional.moments import DiagonalMoment
 from normscope.functional.premise import PLACEMENTS, POST_NORM
@@ -31,9 +33,11 @@ from normscope.functional.retention import RetentionRead, sublayer_retention
 from normscope.functional.stream import (
     effective_rank,
     gain_drift,
+    gain_drifts,
     nonfinite_share,
     offset_share,
     stream_rms,
+    stream_scales,
 )
 
 __all__ = ["DiagonalMoment", "StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
@@ -45,6 +49,7 @@ __all__ += ["sigma_min_profile"]
 __all__ += ["InputRead", "input_reads"]
 __all__ += ["DepthRead", "direction_depth", "PLACEMENTS", "POST_NORM", "centring_residual"]
 __all__ += ["effective_rank", "gain_drift", "nonfinite_share", "offset_share", "stream_rms"]
+__all__ += ["fetch_counts", "gain_drifts", "gamma_reads", "stream_scales"]
 
 from normscope.functional.sign_magnitude import (  # noqa: E402
     OutlierRead,

@@ -29,13 +29,14 @@ projected there and renormalised, the means over live eigenvalues only), and
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from normscope.functional.covariance import symmetric_eigh
+from normscope.functional.covariance import host_array, on_device, symmetric_eigh
 from normscope.functional.gamma import GammaRead, resolve_gamma, row_count, square_matrix
 from normscope.functional.kernel import DECLARED_KINDS
 from normscope.functional.premise import check_placement, input_read_reason
@@ -275,11 +276,9 @@ def input_reads(
     # Everything after the decomposition is O(d) on the host: the eigenvalues and the squared
     # projections of v* and of the control's direction, moved in one copy (a handful of device
     # ops per read, whatever d)
-    gen = torch.Generator().manual_seed(int(control_seed))
-    r = torch.randn(d, generator=gen, dtype=torch.float64)
-    v = g.v_star.to(c.device)
-    dirs = torch.stack([v, r.to(c.device)], dim=1)
-    host = torch.cat([evals[:, None], (evecs.mT @ dirs) ** 2], dim=1).cpu().numpy()
+    r = _control_direction(int(control_seed), d)
+    dirs = torch.stack([on_device(g.v_star, c), on_device(r, c)], dim=1)
+    host = host_array(torch.cat([evals[:, None], (evecs.mT @ dirs) ** 2], dim=1))
     lam_all, w_v, w_r = host[:, 0], host[:, 1], host[:, 2]
     top = float(lam_all[-1])
     if not top > 0:
@@ -300,6 +299,14 @@ def input_reads(
         n, None, d,
     )  # fmt: skip
     return InputRead(read, schur, spectrum)
+
+
+@functools.lru_cache(maxsize=16)
+def _control_direction(seed: int, d: int) -> torch.Tensor:
+    """The control's random direction of width ``d`` from ``seed`` (a CPU generator, float64),
+    drawn once per ``(seed, d)``: every norm of a model reads the same one (never written)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(d, generator=gen, dtype=torch.float64)
 
 
 def _schur_from_spectrum(lam: np.ndarray, w: np.ndarray, n: int, ridge: float) -> SchurRead:
@@ -341,7 +348,7 @@ def rank_one_floor(evals: torch.Tensor, evecs: torch.Tensor, vector: torch.Tenso
         >>> abs(rank_one_floor(lam, u, m) - torch.linalg.eigvalsh(c + torch.outer(m, m))[0].item()) < 1e-14
         True
     """
-    both = torch.stack([evals, evecs.mT @ vector.to(evecs)]).cpu().numpy()
+    both = host_array(torch.stack([evals, evecs.mT @ on_device(vector, evecs)]))
     return secular_bottom(both[0], both[1] ** 2)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GammaRead", "gamma_read", "predicted_kernel"]
+__all__ = ["GammaRead", "as_float64", "gamma_read", "gamma_reads", "predicted_kernel"]
 
 _NAN = math.nan
 
@@ -23,18 +23,28 @@ def _real_tensor(x: object, where: str, what: str, ok: bool, expected: str) -> t
     if not isinstance(x, torch.Tensor) or not ok or x.is_complex():
         got = f"shape {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x)
         raise ValueError(f"{where}: {what} must be a real {expected}, got {got}")
-    return x.detach().to(torch.float64)
+    return as_float64(x)
+
+
+def as_float64(x: torch.Tensor) -> torch.Tensor:
+    """``x`` detached and in float64: ``x`` itself when it already is (no op, no copy; the
+    reads never write into what they are given)."""
+    if x.requires_grad:
+        x = x.detach()
+    return x if x.dtype == torch.float64 else x.to(torch.float64)
 
 
 def square_matrix(matrix: torch.Tensor, where: str, what: str) -> torch.Tensor:
-    """``matrix`` as float64, or a ValueError saying a square ``(d, d)`` tensor is expected."""
+    """``matrix`` as float64 (:func:`as_float64`), or a ValueError saying a square ``(d, d)``
+    tensor is expected."""
     ok = isinstance(matrix, torch.Tensor) and matrix.ndim == 2
     ok = ok and matrix.shape[0] == matrix.shape[1] > 0
     return _real_tensor(matrix, where, what, ok, "square (d, d) tensor with d >= 1")
 
 
 def gamma_vector(gamma: torch.Tensor, where: str) -> torch.Tensor:
-    """``gamma`` as float64, or a ValueError saying a non-empty ``(d,)`` tensor is expected."""
+    """``gamma`` as float64 (:func:`as_float64`), or a ValueError saying a non-empty ``(d,)``
+    tensor is expected."""
     ok = isinstance(gamma, torch.Tensor) and gamma.ndim == 1 and gamma.numel() > 0
     return _real_tensor(gamma, where, "gamma", ok, "non-empty 1-D tensor (d,)")
 
@@ -104,20 +114,76 @@ def gamma_read(gamma: torch.Tensor, *, dead_tol: float = 1e-6) -> GammaRead:
     d = g.numel()
     mag = g.abs()
     finite = torch.isfinite(g)
-    if not bool(finite.all()):
+    top = mag.max()
+    dead_mask = mag <= dead_tol * top
+    # every number of the read in one copy to the host (the dead channels' indices only
+    # when there are any): [finite, dead count, min, max, std, mean |gamma|]
+    stats = torch.stack(
+        [finite.all(), dead_mask.sum(), g.min(), g.max(), g.std(correction=0), mag.mean()]
+    ).tolist()
+    all_finite, n_dead, gmin, gmax, std, mabs = stats
+    if not all_finite:
         top = mag[finite].max() if bool(finite.any()) else torch.zeros((), dtype=g.dtype)
         dead = torch.nonzero(finite & (mag <= dead_tol * top)).flatten().tolist()
         return GammaRead(len(dead), _NAN, _NAN, _NAN, tuple(dead), None, "non_finite_gamma", d)
-    top = mag.max()
-    dead = tuple(torch.nonzero(mag <= dead_tol * top).flatten().tolist())
-    mean_abs = mag.mean()
-    gmin, gmax, std, mabs = torch.stack([g.min(), g.max(), g.std(correction=0), mean_abs]).tolist()
     spread = std / mabs if mabs > 0 else _NAN
-    if dead:
+    if n_dead:
+        dead = tuple(torch.nonzero(dead_mask).flatten().tolist())
         return GammaRead(len(dead), gmin, gmax, spread, dead, None, "dead_channels", d)
     # top / gamma lies in [1, 1/dead_tol] in magnitude: no overflow however small gamma is.
     inv = top / g
     return GammaRead(0, gmin, gmax, spread, (), inv / torch.linalg.vector_norm(inv), None, d)
+
+
+def gamma_reads(gammas: list[torch.Tensor], *, dead_tol: float = 1e-6) -> list[GammaRead]:
+    """:func:`gamma_read` of many norm layers at once: gains of the same width, dtype and
+    device are stacked and their statistics (extremes, spread, finiteness, dead count) reach
+    the host in one copy per group; ``v*`` is formed per layer exactly as :func:`gamma_read`
+    forms it (the same float64 vector), and a layer with a dead or non-finite channel is read
+    by :func:`gamma_read` itself. The same reads as one call each, ``gamma_spread`` within
+    float64 rounding (a row of a stacked reduction may sum in another order).
+
+    Example::
+
+        >>> reads = gamma_reads([torch.tensor([1.0, 2.0, 0.0, 4.0]), torch.ones(4)])
+        >>> [r.reason for r in reads], reads[1].gamma_spread
+        (['dead_channels', None], 0.0)
+    """
+    if not (isinstance(dead_tol, (int, float)) and math.isfinite(dead_tol) and dead_tol >= 0):
+        raise ValueError(f"gamma_reads: dead_tol must be a finite number >= 0, got {dead_tol!r}")
+    gs = [gamma_vector(g, "gamma_reads") for g in gammas]
+    out: list[GammaRead | None] = [None] * len(gs)
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(gs):
+        groups.setdefault((g.shape, g.device), []).append(i)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = gamma_read(gs[idx[0]], dead_tol=dead_tol)
+            continue
+        g = torch.stack([gs[i] for i in idx])
+        mag = g.abs()
+        top = mag.max(dim=1).values
+        stats = torch.stack(
+            [
+                torch.isfinite(g).all(dim=1),
+                (mag <= dead_tol * top[:, None]).sum(dim=1),
+                g.min(dim=1).values,
+                g.max(dim=1).values,
+                g.std(dim=1, correction=0),
+                mag.mean(dim=1),
+            ]
+        ).tolist()
+        d = g.shape[1]
+        for i, top_i, all_finite, n_dead, gmin, gmax, std, mabs in zip(idx, top.unbind(0), *stats):
+            if not all_finite or n_dead:  # the rare reads: gamma_read's own path
+                out[i] = gamma_read(gs[i], dead_tol=dead_tol)
+                continue
+            spread = std / mabs if mabs > 0 else _NAN
+            inv = top_i / gs[i]  # as gamma_read: the same v*, to the last bit
+            out[i] = GammaRead(
+                0, gmin, gmax, spread, (), inv / torch.linalg.vector_norm(inv), None, d
+            )
+    return out  # type: ignore[return-value]
 
 
 def predicted_kernel(
@@ -142,7 +208,7 @@ def predicted_kernel(
     read = gamma_or_read if isinstance(gamma_or_read, GammaRead) else gamma_read(gamma_or_read)
     if read.v_star is not None:
         out = read.v_star.reshape(-1, 1)
-        return out.to(device) if device is not None else out
+        return out.to(device) if device is not None and out.device != device else out
     eye = torch.eye(read.dim, dtype=torch.float64, device=device)
     if read.reason == "non_finite_gamma":
         return eye[:, :0]

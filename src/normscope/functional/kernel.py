@@ -9,9 +9,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from normscope.functional.covariance import symmetric_eigh, symmetric_eigvalsh
+from normscope.functional.covariance import (
+    host_array,
+    on_device,
+    symmetric_eigh,
+    symmetric_eigvalsh,
+)
 from normscope.functional.gamma import (
     GammaRead,
+    as_float64,
     predicted_kernel,
     resolve_gamma,
     row_count,
@@ -198,7 +204,8 @@ def kernel_read(
     if not bool(torch.isfinite(c).all()):
         return empty("non_finite_covariance")
     factor = None
-    spectrum = None  # the dense route's (evals, evecs): the live floor reuses them
+    removed_z = None  # the dense route's U^T v* (device), for the live floor's secular equation
+    lam = None  # the dense route's eigenvalues on the host
     if use_fast(solver, d, max(bottom_k, 1)):
         try:
             fast = _fast_spectrum(c, max(bottom_k, 1), null_tol)
@@ -220,14 +227,16 @@ def kernel_read(
             evals, evecs = symmetric_eigh(c)
         except RuntimeError:
             return empty("eigh_failed")
-        lam_d = float(evals[-1])
+        # the eigenvalues on the host in one copy: lambda_d, null_dim, the bottom ratios and
+        # the live floor read from it (the same float64 numbers as on the device)
+        lam = host_array(evals)
+        lam_d = float(lam[-1])
         if not lam_d > 0:
             return empty("zero_covariance")
-        spectrum = (evals, evecs)
         null = evals <= null_tol * lam_d
-        null_dim = int(null.sum())
+        null_dim = int((lam <= null_tol * lam_d).sum())
         u_1, u_0 = evecs[:, 0], evecs[:, null]
-        bottom = tuple((evals[:bottom_k] / lam_d).tolist())
+        bottom = tuple((lam[:bottom_k] / lam_d).tolist())
     if g.reason == "non_finite_gamma":
         return empty("non_finite_gamma", null_dim, bottom)
 
@@ -235,12 +244,12 @@ def kernel_read(
     k = p.shape[1]
     # A declared RMSNorm has no centring, so v* is not a kernel there; dead e_i still are.
     removed = p if (declared_kind != "rmsnorm" or g.v_star is None) else p[:, :0]
-    alignment = torch.linalg.vector_norm(p.T @ u_1)
+    p_t = p.T
+    alignment = torch.linalg.vector_norm(p_t @ u_1)
     try:
-        pcp = p.T @ c @ p
+        pcp = p_t @ c @ p
         # one predicted direction (no dead channel): P^T C P is the number v*^T C v* itself
-        top = pcp[0, 0] if k == 1 else symmetric_eigvalsh(pcp)[-1]
-        residual = top / lam_d
+        top = pcp.reshape(()) if k == 1 else symmetric_eigvalsh(pcp)[-1]
         floor = None
         if factor is not None:
             try:
@@ -249,20 +258,38 @@ def kernel_read(
                 floor = None
             if floor is None:
                 fallbacks, route = 1, "dense"
-        if floor is None and spectrum is not None and removed.shape[1] <= 1:
-            # the eigendecomposition of C already taken: no second one (secular equation)
-            floor = secular_floor(*spectrum, removed[:, 0] if removed.shape[1] else None)
-        if floor is None:
+        if floor is None and lam is not None and removed.shape[1] <= 1:
+            # the eigendecomposition of C already taken: no second one (secular equation);
+            # U^T v* joins the one copy to the host below
+            if removed.shape[1]:
+                v = on_device(g.v_star, c) if g.v_star is not None else removed[:, 0]
+                removed_z = evecs.mT @ v
+            else:
+                floor = _secular_floor_host(lam, None)
+        elif floor is None:
             floor = _restricted_floor(c, removed)
     except RuntimeError:
         return empty("eigh_failed", null_dim, bottom)
-    overlap = u_0.T @ p  # (null_dim, k)
-    subspace = torch.sqrt((overlap**2).sum() / k)
-    alignment_f, residual_f, subspace_f = torch.stack([alignment, residual, subspace]).tolist()
+    overlap = (u_0.T @ p).reshape(-1)  # (null_dim, k), flat: its squares summed on the host
+    # every number left on the device reaches the host in one copy:
+    # [alignment, v*^T C v*, (centring's two forms), (U^T v*), overlap]
+    scalars = [alignment, top]
+    if g.v_star is not None:
+        scalars += list(_centring_parts(c, g, g))
+    parts = [torch.stack(scalars)]
+    if removed_z is not None:
+        parts.append(removed_z)
+    host = host_array(torch.cat([*parts, overlap]))
+    alignment_f, top_f = float(host[0]), float(host[1])
+    residual_f = top_f / lam_d
+    subspace_f = math.sqrt(float((host[host.shape[0] - overlap.shape[0] :] ** 2).sum()) / k)
     # Norms of projections of unit vectors: <= 1 but for an ulp of rounding.
     alignment_f, subspace_f = min(alignment_f, 1.0), min(subspace_f, 1.0)
+    if removed_z is not None:
+        z = host[len(scalars) : len(scalars) + removed_z.shape[0]]
+        floor = _secular_floor_host(lam, z**2)
 
-    centring = _NAN if g.v_star is None else centring_residual(c, g)
+    centring = _NAN if g.v_star is None else _centring_host(float(host[2]), float(host[3]))
     if g.reason is not None:
         norm_class = "indeterminate"
     elif centring <= LAYERNORM_RESIDUAL_MAX and (
@@ -316,19 +343,28 @@ def centring_residual(covariance: torch.Tensor, gamma: torch.Tensor | GammaRead)
     read = resolve_gamma(gamma, c.shape[0], "centring_residual")
     if read.v_star is None:
         return _NAN
-    inv = 1.0 / read_gains(read, gamma).to(c.device)
-    scale = float((torch.diagonal(c) * inv**2).sum())
-    if not scale > 0:
-        return _NAN
-    return max(float(inv @ c @ inv), 0.0) / scale
+    scale, quad = torch.stack(_centring_parts(c, read, gamma)).tolist()  # one copy to the host
+    return _centring_host(scale, quad)
+
+
+def _centring_parts(
+    c: torch.Tensor, read: GammaRead, gamma: torch.Tensor | GammaRead
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`centring_residual`'s ``tr(C_z)`` and ``1^T C_z 1`` as device scalars."""
+    inv = on_device(read_gains(read, gamma), c).reciprocal()  # 1 / gamma
+    return (torch.diagonal(c) * inv**2).sum(), inv @ c @ inv
+
+
+def _centring_host(scale: float, quad: float) -> float:
+    return max(quad, 0.0) / scale if scale > 0 else _NAN
 
 
 def read_gains(read: GammaRead, gamma: torch.Tensor | GammaRead) -> torch.Tensor:
     """``gamma`` itself (float64) when given as a tensor; from a :class:`GammaRead`, a gain
     vector with the same ``v*`` (``1 / v*``: the residual is invariant to scaling gamma)."""
     if isinstance(gamma, torch.Tensor):
-        return gamma.detach().to(torch.float64)
-    return 1.0 / read.v_star
+        return as_float64(gamma)
+    return read.v_star.reciprocal()
 
 
 def rmsnorm_alignment_max(d: int) -> float:
@@ -423,15 +459,22 @@ def secular_floor(
         >>> secular_floor(lam, u)   # lambda_1 / mean
         0.0
     """
-    d = evals.shape[0]
     if removed is None:
-        lam = evals.cpu().numpy()
+        return _secular_floor_host(host_array(evals), None)
+    if evals.shape[0] < 2:
+        return _NAN
+    both = host_array(torch.stack([evals, evecs.mT @ on_device(removed, evecs)]))
+    return _secular_floor_host(both[0], both[1] ** 2)
+
+
+def _secular_floor_host(lam: np.ndarray, z2: np.ndarray | None) -> float:
+    """:func:`secular_floor` on the host from ``lambda`` and ``z^2`` (None: no ``v``)."""
+    d = lam.shape[0]
+    if z2 is None:
         mean = float(lam.mean())
         return float(lam[0]) / mean if mean > 0 else _NAN
     if d < 2:
         return _NAN
-    both = torch.stack([evals, evecs.mT @ removed.to(evecs)]).cpu().numpy()
-    lam, z2 = both[0], both[1] ** 2
     mean = (float(lam.sum()) - float(z2 @ lam)) / (d - 1)
     lo, hi = float(lam[0]), float(lam[1])
     if z2[0] == 0.0 or not hi > lo:

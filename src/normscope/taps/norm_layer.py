@@ -40,7 +40,8 @@ def full_tensor_float64(t: torch.Tensor) -> torch.Tensor:
     """
     if hasattr(t, "full_tensor"):
         t = t.full_tensor()
-    return t.detach().to(dtype=torch.float64, copy=True)
+    with torch.no_grad():  # a copy made outside autograd is detached: one op, no detach()
+        return t.to(dtype=torch.float64, copy=True)
 
 
 def weight_of(module: nn.Module) -> torch.Tensor | None:
@@ -110,7 +111,8 @@ class NormLayer:
         raw = self.gamma_fn(self.module)
         if raw is None:
             return torch.ones(self.dim, dtype=torch.float64)
-        g = full_tensor_float64(raw).reshape(-1)
+        g = full_tensor_float64(raw)
+        g = g if g.ndim == 1 else g.reshape(-1)
         if self.convention == "1+w":
             g = 1.0 + g
         if g.shape != (self.dim,):
