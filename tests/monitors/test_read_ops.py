@@ -23,7 +23,9 @@ residual points, every point a norm's input) read once by a default
   (``tolist``) instead of one ``float()`` each; no top-level ``item`` is left (the 40 nested
   ``item`` / ``_local_scalar_dense`` are the 20 ``bool`` finiteness checks and the 20
   factorisations' own error checks). The same logged values (bitwise, RankMe within 1e-15).
-  Issue 35's ~500 would need the per-layer decompositions batched across layers (not done).
+  798 with the attention-logit read of issue 32 (its 4 modules' maxima stacked and copied
+  once). Issue 35's ~500 would need the per-layer decompositions batched across layers (not
+  done).
   The bound guards against growth (about 5% over the measured count).
 """
 
