@@ -1076,16 +1076,16 @@ class RepresentationCollapseRule(_EpisodeRule):
     tell that from a collapse that stays. A collapse that happens while the monitor watches is
     seen arriving: one read decides when the read before it was clearly under ``rise_from``
     (the bottom of its spread share's interval above ``1 - rise_from``) and the stream narrows
-    behind it, some
-    residual point's ``sigma_min`` under the stream input's (``dd/sigma_min_ratio_min`` under
-    ``rise_narrower_below``). On the pathology zoo (seeds 0-7) the self-supervised collapses
-    read 0.18-0.62 at step 1 and 0.982-0.996 at step 9 with a smallest ratio of 0.42-0.83 there; the healthy
-    runs that make the same jump keep their width (the high-learning-rate twin that jumps from
-    0.585 to 1.0000 in a 155 x scale transient: 1.19; the demo GPT at lr 1e-3 read every 12
-    steps, 0.554 to 0.9933 with RankMe 47 of 64: 1.37). A state present from the first read, or
-    reached through a read between ``rise_from`` and the line, or read without the
-    ``sigma_min`` profile, still needs two reads; ``rise_from=None``: always two. The previous
-    read's verdict is checkpointed (:meth:`state_dict`).
+    behind it, some residual point's ``sigma_min`` under the stream input's
+    (``dd/sigma_min_ratio_min`` under ``rise_narrower_below``). On the pathology zoo (seeds
+    0-10) the self-supervised collapses read 0.18-0.62 at step 1 and 0.982-0.997 at step 9,
+    with a smallest ratio of 0.42-0.83 there; the healthy runs that make the same jump keep
+    their width (the high-learning-rate twin that jumps from 0.585 to 1.0000 in a 155 x scale
+    transient: 1.19; the demo GPT at lr 1e-3 read every 12 steps, 0.554 to 0.9933 with RankMe
+    47 of 64: 1.37). A state present from the first read, or reached through a read between
+    ``rise_from`` and the line, or read without the ``sigma_min`` profile, still needs two
+    reads; ``rise_from=None``: always two. The previous read's verdict is checkpointed
+    (:meth:`state_dict`).
 
     Without the final norm's reads (``layers=`` without it, a budget that left it out) the rule
     does not decide. Thresholds and the seeds they were chosen on: docs/alerts.md.
@@ -1169,8 +1169,7 @@ class RepresentationCollapseRule(_EpisodeRule):
         width = rows / per_dim if per_dim > 0 else math.nan
         if not (math.isfinite(spread_rank) and math.isfinite(width)):
             return None, None
-        d = min(width, rows - 1)
-        if spread_rank < self.min_spread_rank * d:
+        if spread_rank < self.min_spread_rank * min(width, rows - 1):
             return False, None  # one large shared vector, but the rest is structured
         narrowest = metrics.get("dd/sigma_min_ratio_min", math.nan)
         if was_low and narrowest < self.rise_narrower_below:  # NaN: no profile, no transition
