@@ -4,7 +4,7 @@ a healthy twin, watched by ``DeadDirectionMonitor(every_n_steps=10)`` under a re
 
     python benchmarks/pathology_zoo.py --out zoo.jsonl              # the sweep (5 seeds)
     python benchmarks/pathology_zoo.py --quick --out q.jsonl        # a test slice (< 1 min)
-    python benchmarks/pathology_zoo.py --seeds 3 --seed-offset 5 --out held.jsonl  # seeds 5-7
+    python benchmarks/pathology_zoo.py --seeds 3 --seed-offset 5    # held-out seeds 5-7
     python benchmarks/pathology_zoo.py --judge zoo.jsonl            # re-judge saved reads
     python benchmarks/pathology_zoo.py --judge zoo.jsonl --rules today,sigma_min
     python benchmarks/pathology_zoo.py --judge zoo.jsonl --plugin my_rules.py --rules mine
@@ -959,11 +959,11 @@ def plan(
     norms: list[str] | None,
     seed_offset: int = 0,
 ):
-    """The runs: every pathology x its norms x seeds x (pathology, twin), seeds ``seed_offset``
-    on (held-out runs: seeds no threshold was chosen on). ``quick``: one seed, LayerNorm only,
-    few steps (``QUICK_STEPS``)."""
-    # seed-major: a sweep cut short has every row
-    for seed in range(seed_offset, seed_offset + (1 if quick else seeds)):
+    """The runs: every pathology x its norms x seeds x (pathology, twin). ``quick``: one seed,
+    LayerNorm only, few steps (``QUICK_STEPS``). ``seed_offset``: seeds ``seed_offset`` to
+    ``seed_offset + seeds - 1`` (held-out runs)."""
+    n = 1 if quick else seeds
+    for seed in range(seed_offset, seed_offset + n):  # seed-major: a sweep cut short has every row
         for p in PATHOLOGIES.values():
             if only and p.name not in only:
                 continue
@@ -983,7 +983,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a test slice: 1 seed, few steps")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--seed-offset", type=int, default=0, help="held-out runs: seeds from this")
+    ap.add_argument("--seed-offset", type=int, default=0, help="held-out runs: other seeds")
     ap.add_argument("--only", default=None, help="comma-separated pathologies")
     ap.add_argument("--norms", default=None, help="comma-separated: layernorm,rmsnorm")
     ap.add_argument("--out", default=None, help="JSONL of every read and run")

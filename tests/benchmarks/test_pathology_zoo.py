@@ -152,3 +152,10 @@ def test_judge_cli_takes_a_plugged_in_rule_set(quick, tmp_path):
     assert rows["nonfinite"][4].startswith("1/1") and rows["nonfinite"][7].startswith("0 in")
     assert rows["ssl_collapse"][4].startswith("0/1")
     assert result["live_alerts"] == result["today_replayed"]
+
+
+def test_seed_offset_plans_the_held_out_seeds():
+    runs = list(_zoo().plan(False, 3, ["post_norm"], ["layernorm"], seed_offset=5))
+    assert [(r[1], r[3]) for r in runs] == [
+        (arm, seed) for seed in (5, 6, 7) for arm in ("pathology", "twin")
+    ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from normscope import DeadDirectionMonitor, scan_model
@@ -129,6 +130,79 @@ def test_a_shared_vector_with_structured_rest_is_not_a_complete_collapse():
     few = {**base, "dd/ln_f/n_rows": 64.0, "dd/final_rows_per_dim": 1.0}
     few |= {"dd/final_out_offset_share": 0.992, "dd/final_rankme_centred": 50.0}
     assert RepresentationCollapseRule(patience=1).evaluate(few, 9) == []
+
+
+def _final(share: float, spread_rank: float, narrowest: float = 0.7) -> dict[str, float]:
+    """One read of a 64-wide final norm from 512 rows (the zoo's), as the monitor logs it, with
+    the smallest ``sigma_min`` ratio over the residual points (``narrowest``)."""
+    return {
+        "dd/ln_f/rankme": 1.5,
+        "dd/ln_f/n_rows": 512.0,
+        "dd/final_rows_per_dim": 8.0,
+        "dd/final_out_offset_share": share,
+        "dd/final_rankme_centred": spread_rank,
+        "dd/sigma_min_ratio_min": narrowest,
+    }
+
+
+def _first_alert(rule: RepresentationCollapseRule, reads) -> int | None:
+    fired = [i for i, m in enumerate(reads) if rule.evaluate(m, 10 * i)]
+    return fired[0] if fired else None
+
+
+def test_a_collapse_seen_arriving_alerts_at_one_read():
+    """The zoo's self-supervised collapse: 0.18-0.62 at step 1, 0.982-0.996 at step 9 with the
+    rest spread (centred RankMe 38-51 of 64) and the stream narrowing (smallest sigma_min ratio
+    0.42-0.83): the transition read alerts alone."""
+    reads = [_final(0.55, 49.0, 1.1), _final(0.994, 49.0, 0.76), _final(0.9985, 50.0, 0.7)]
+    assert _first_alert(RepresentationCollapseRule(), reads) == 1
+    assert _first_alert(RepresentationCollapseRule(rise_from=None), reads) == 2  # as before
+    # without the sigma_min profile (no stream found): no transition, two reads
+    blind = [{k: v for k, v in m.items() if k != "dd/sigma_min_ratio_min"} for m in reads]
+    assert _first_alert(RepresentationCollapseRule(), blind) == 2
+
+
+def test_a_state_seen_from_the_first_read_needs_two():
+    """A model that starts there (a language model's first steps), or one that reaches it
+    through a read between ``rise_from`` and the line (the demo GPT: 0.93 at step 2)."""
+    rule = RepresentationCollapseRule()
+    assert _first_alert(rule, [_final(0.995, 50.0), _final(0.996, 50.0)]) == 1
+    demo = [_final(0.93, 49.1, 0.98), _final(0.9941, 46.4, 1.2), _final(0.9987, 43.3, 1.3)]
+    assert _first_alert(RepresentationCollapseRule(), demo) == 2
+    # a read the rows cannot tell from the line (0.9915 from 512 rows) breaks the transition
+    # and counts for nothing: two decided reads after it
+    ambiguous = [_final(0.5, 49.0), _final(0.9915, 48.0), _final(0.995, 48.0)]
+    assert _first_alert(RepresentationCollapseRule(), ambiguous + [_final(0.996, 48.0)]) == 3
+
+
+def test_a_healthy_jump_whose_stream_keeps_its_width_does_not_alert_at_once():
+    """Two healthy runs with the same jump: the zoo's RMSNorm logit-growth twin (lr 0.03,
+    qk-norm), seed 1: 0.585 at step 1, 1.0000 at step 9 (a 155 x scale transient, centred
+    RankMe 39 of 64, then 18, 11, ...); the demo GPT at lr 1e-3 read every 12 steps: 0.554 at
+    step 2, 0.9933 at step 12 (RankMe 47), 0.961 at step 24. No point narrower than the stream's
+    input in either (smallest sigma_min ratio 1.19, 1.37)."""
+    twin = [_final(0.585, 48.0, 1.05), _final(0.99998, 39.3, 1.19), _final(0.99997, 17.9, 1.3)]
+    assert _first_alert(RepresentationCollapseRule(), twin) is None
+    assert _first_alert(RepresentationCollapseRule(patience=1, rise_from=None), twin) == 1
+    demo = [_final(0.554, 49.0, 1.06), _final(0.9933, 47.3, 1.37), _final(0.961, 29.2, 1.23)]
+    assert _first_alert(RepresentationCollapseRule(), demo) is None
+    assert _first_alert(RepresentationCollapseRule(patience=1, rise_from=None), demo) == 1
+
+
+def test_the_transition_survives_a_checkpoint():
+    rule = RepresentationCollapseRule()
+    rule.evaluate(_final(0.4, 49.0), 1)
+    state = rule.state_dict()
+    assert state["was_low"] is True
+    resumed = RepresentationCollapseRule()
+    resumed.load_state_dict(state)
+    assert [a.rule for a in resumed.evaluate(_final(0.995, 49.0), 9)] == ["representation_collapse"]
+    # an older checkpoint without it: no transition known, two reads
+    old = RepresentationCollapseRule()
+    old.load_state_dict({"firing": False, "count": 0})
+    assert old.evaluate(_final(0.995, 49.0), 9) == []
+    with pytest.raises(ValueError, match="rise_from"):
+        RepresentationCollapseRule(rise_from=0.995)
 
 
 def test_rules_rearm_after_a_read_that_says_no():

@@ -1067,13 +1067,25 @@ class RepresentationCollapseRule(_EpisodeRule):
       shared vector onto its stream for a while (the zoo's high-learning-rate twins at lr
       0.03: offset share above 0.999 for up to 13 reads, then recovering) but what varies
       then mostly varies along a few directions (centred RankMe under 18 of 64 in all but 3
-      of those reads; one, 39 of 64 at the transient's spike, is the zoo's one false alarm).
+      of those reads; one, 39 of 64 at the transient's spike, would fire on one read).
 
-    **Two reads in a row** (``patience=2``): a language model's first steps pass through the
-    same state (every token predicts the unigram distribution): the demo GPT of
-    ``examples/plain_loop.py`` reads offset share 0.9941 with centred RankMe 46 of 64 at step 3,
-    and leaves it within steps; one read cannot tell it from a collapse that stays. The cost:
-    a collapse is reported one read after it is first seen.
+    **Two reads in a row** (``patience=2``), **or one read that is the transition**: a
+    language model's first steps pass through the same state (every token predicts the unigram
+    distribution): the demo GPT of ``examples/plain_loop.py`` reads offset share 0.93 at its
+    first read (step 2) and 0.9941 with centred RankMe 46 of 64 at step 4, and one read cannot
+    tell that from a collapse that stays. A collapse that happens while the monitor watches is
+    seen arriving: one read decides when the read before it was clearly under ``rise_from``
+    (the bottom of its spread share's interval above ``1 - rise_from``) and the stream narrows
+    behind it, some residual point's ``sigma_min`` under the stream input's
+    (``dd/sigma_min_ratio_min`` under ``rise_narrower_below``). On the pathology zoo (seeds
+    0-10) the self-supervised collapses read 0.18-0.62 at step 1 and 0.982-0.997 at step 9,
+    with a smallest ratio of 0.42-0.83 there; the healthy runs that make the same jump keep
+    their width (the high-learning-rate twin that jumps from 0.585 to 1.0000 in a 155 x scale
+    transient: 1.19; the demo GPT at lr 1e-3 read every 12 steps, 0.554 to 0.9933 with RankMe
+    47 of 64: 1.37). A state present from the first read, or reached through a read between
+    ``rise_from`` and the line, or read without the ``sigma_min`` profile, still needs two
+    reads; ``rise_from=None``: always two. The previous read's verdict is checkpointed
+    (:meth:`state_dict`).
 
     Without the final norm's reads (``layers=`` without it, a budget that left it out) the rule
     does not decide. Thresholds and the seeds they were chosen on: docs/alerts.md.
@@ -1087,6 +1099,12 @@ class RepresentationCollapseRule(_EpisodeRule):
         ([], ['representation_collapse'])
         >>> rule.evaluate({**m, "dd/final_out_offset_share": 0.995}, 30)  # same episode
         []
+        >>> rule = RepresentationCollapseRule()
+        >>> rule.evaluate({**m, "dd/final_out_offset_share": 0.5}, 10)  # clearly low
+        []
+        >>> narrowing = {**m, "dd/sigma_min_ratio_min": 0.7}
+        >>> [a.rule for a in rule.evaluate(narrowing, 20)]  # the transition: one read
+        ['representation_collapse']
         >>> rule = RepresentationCollapseRule(patience=1)
         >>> rule.evaluate({**m, "dd/final_rankme_centred": 9.0}, 20)  # a structured rest
         []
@@ -1101,6 +1119,8 @@ class RepresentationCollapseRule(_EpisodeRule):
         z: float = 3.0,
         min_rows: int = 32,
         patience: int = 2,
+        rise_from: float | None = 0.8,
+        rise_narrower_below: float = 1.0,
     ) -> None:
         super().__init__(patience)
         if not 0 < alert_above < 1 or not 0 <= min_spread_rank <= 1:
@@ -1108,10 +1128,24 @@ class RepresentationCollapseRule(_EpisodeRule):
                 "RepresentationCollapseRule: alert_above must be in (0, 1) and min_spread_rank "
                 f"in [0, 1], got {alert_above}, {min_spread_rank}"
             )
+        if rise_from is not None and not 0 < rise_from < alert_above:
+            raise ValueError(
+                "RepresentationCollapseRule: rise_from must be in (0, alert_above) or None, got "
+                f"{rise_from}"
+            )
+        if not rise_narrower_below > 0:
+            raise ValueError(
+                "RepresentationCollapseRule: rise_narrower_below must be > 0, got "
+                f"{rise_narrower_below}"
+            )
         self.alert_above = float(alert_above)
         self.min_spread_rank = float(min_spread_rank)
         self.z = float(z)
         self.min_rows = int(min_rows)
+        self.rise_from = None if rise_from is None else float(rise_from)
+        self.rise_narrower_below = float(rise_narrower_below)
+        #: whether the last read with a share was clearly under ``rise_from`` (None: no read yet)
+        self.was_low: bool | None = None
 
     def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
         key = "dd/final_out_offset_share"
@@ -1123,7 +1157,10 @@ class RepresentationCollapseRule(_EpisodeRule):
         if not (math.isfinite(share) and math.isfinite(rows) and rows >= self.min_rows):
             return None, None
         spread = 1.0 - share
-        _, hi = spread_bounds(spread, rows, self.z)
+        lo, hi = spread_bounds(spread, rows, self.z)
+        was_low = self.was_low
+        # this read, for the next one: clearly under rise_from (the spread's interval above 1 - it)
+        self.was_low = self.rise_from is not None and lo > 1.0 - self.rise_from
         limit = 1.0 - self.alert_above
         if spread >= limit:
             return False, None
@@ -1134,6 +1171,11 @@ class RepresentationCollapseRule(_EpisodeRule):
             return None, None
         if spread_rank < self.min_spread_rank * min(width, rows - 1):
             return False, None  # one large shared vector, but the rest is structured
+        narrowest = metrics.get("dd/sigma_min_ratio_min", math.nan)
+        if was_low and narrowest < self.rise_narrower_below:  # NaN: no profile, no transition
+            # the transition itself, from clearly under rise_from at the previous read, with
+            # the stream narrowing behind it: it stands for the whole patience
+            self.count = max(self.count, self.patience - 1)
         return True, Alert(
             self.name,
             key,
@@ -1147,6 +1189,14 @@ class RepresentationCollapseRule(_EpisodeRule):
             f"{width:.0f})",
             point=final,
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "was_low": self.was_low}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        was_low = state.get("was_low")
+        self.was_low = None if was_low is None else bool(was_low)
 
 
 class GainDriftRule(_EpisodeRule):
