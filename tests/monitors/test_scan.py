@@ -41,7 +41,7 @@ PER_NORM_METRICS = {
     "dead_channels", "gamma_min", "gamma_max", "gamma_spread", "gamma_alignment",
     "kernel_residual", "null_dim", "subspace_alignment", "live_floor", "kind_mismatch",
     "kernel_alignment", "schur_quotient", "schur_complement", "delta_gamma",
-    "delta_gamma_control", "depth", "depth_control", "depth_sd", "depth_z", "live_dim", "n_rows",
+    "delta_gamma_control", "depth_gamma", "depth_control", "depth_sd", "depth_z", "live_dim", "n_rows",
 }  # fmt: skip
 POINT_METRICS = {"sigma_min", "sigma_min_ratio", "sigma_min_step"}
 
@@ -189,6 +189,9 @@ def test_as_dict_is_flat_and_keyed_by_module_path(arch: str) -> None:
     for name in report.norms:
         for metric in PER_NORM_METRICS:
             assert f"dd/{name}/{metric}" in logged, (name, metric)
+        # a norm's own depth, never a residual point's index of the same module path
+        want = report.norms[name].depth.depth
+        assert logged[f"dd/{name}/depth_gamma"] == pytest.approx(want, nan_ok=True), name
     assert report.profile is not None
     assert [p.name for p in report.profile.points] == [p.name for p in report.layout.points]
     for point in report.layout.points:  # a point is named by the module it taps

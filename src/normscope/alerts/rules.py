@@ -1031,6 +1031,15 @@ def _final_norm(metrics: Mapping[str, float]) -> str | None:
     return None
 
 
+def _input_share(metrics: Mapping[str, float]) -> float:
+    """The offset share of the stream's input ``p_0`` (the point whose ``depth`` is 0); NaN
+    when the profile or the stream reads are not in the read."""
+    for key, value in metrics.items():
+        if key.startswith("dd/") and key.endswith("/depth") and value == 0.0:
+            return metrics.get(key[: -len("depth")] + "offset_share", math.nan)
+    return math.nan
+
+
 def spread_bounds(spread: float, n_rows: float, z: float = 3.0) -> tuple[float, float]:
     """The interval of a spread share ``1 - offset_share`` read from ``n_rows`` rows:
     ``[spread / slack, spread * slack]``, ``slack = exp(z sqrt(2 / N))``. The spread is ``tr C``
@@ -1069,23 +1078,28 @@ class RepresentationCollapseRule(_EpisodeRule):
       then mostly varies along a few directions (centred RankMe under 18 of 64 in all but 3
       of those reads; one, 39 of 64 at the transient's spike, would fire on one read).
 
-    **Two reads in a row** (``patience=2``), **or one read that is the transition**: a
-    language model's first steps pass through the same state (every token predicts the unigram
-    distribution): the demo GPT of ``examples/plain_loop.py`` reads offset share 0.93 at its
-    first read (step 2) and 0.9941 with centred RankMe 46 of 64 at step 4, and one read cannot
-    tell that from a collapse that stays. A collapse that happens while the monitor watches is
-    seen arriving: one read decides when the read before it was clearly under ``rise_from``
-    (the bottom of its spread share's interval above ``1 - rise_from``) and the stream narrows
-    behind it, some residual point's ``sigma_min`` under the stream input's
-    (``dd/sigma_min_ratio_min`` under ``rise_narrower_below``). On the pathology zoo (seeds
-    0-10) the self-supervised collapses read 0.18-0.62 at step 1 and 0.982-0.997 at step 9,
-    with a smallest ratio of 0.42-0.83 there; the healthy runs that make the same jump keep
-    their width (the high-learning-rate twin that jumps from 0.585 to 1.0000 in a 155 x scale
-    transient: 1.19; the demo GPT at lr 1e-3 read every 12 steps, 0.554 to 0.9933 with RankMe
-    47 of 64: 1.37). A state present from the first read, or reached through a read between
-    ``rise_from`` and the line, or read without the ``sigma_min`` profile, still needs two
-    reads; ``rise_from=None``: always two. The previous read's verdict is checkpointed
-    (:meth:`state_dict`).
+    **And the stream narrows** (when the residual profile is read): some residual point's
+    ``sigma_min`` under the stream input's (``dd/sigma_min_ratio_min`` under
+    ``narrower_below``, the premise line of the ``sigma_min`` reads). Rows that are one shared
+    vector plus unstructured noise leave the stream no width in any other direction; a
+    language model's first steps pile a shared vector onto its stream too (every token predicts
+    the unigram distribution: the demo GPT of ``examples/plain_loop.py`` reads offset share
+    0.9941 with centred RankMe 46 of 64 at step 4) but keep the stream's width behind it. On
+    the pathology zoo (seeds 0-10) the self-supervised collapses read a smallest ratio of
+    0.42-0.83 at the collapse; healthy reads over the offset line read 1.007-2.09 (the
+    high-learning-rate twins' transient) and the demo GPT's early plateau 1.13-1.82, which
+    without this condition fired in 4 of 15 demo runs (lr 1e-3 to 1e-2, seeds 0-2). A stream
+    whose input ``p_0`` is itself over the offset line (the embedding collapsed: the ratios,
+    read against it, cannot fall) needs no narrowing.
+
+    **Two reads in a row** (``patience=2``), **or one read that is the transition**: one read
+    decides when the read before it was clearly under ``rise_from`` (the bottom of its spread
+    share's interval above ``1 - rise_from``) and the stream narrows (the collapses read
+    0.18-0.62 at step 1 and 0.982-0.997 at step 9). A state present from the first read,
+    reached through a read between ``rise_from`` and the line, or read without the
+    ``sigma_min`` profile (no narrowing to see) still needs two reads; ``rise_from=None``:
+    always two; ``narrower_below=None``: the profile is not consulted (two reads, no width
+    condition). The previous read's verdict is checkpointed (:meth:`state_dict`).
 
     Without the final norm's reads (``layers=`` without it, a budget that left it out) the rule
     does not decide. Thresholds and the seeds they were chosen on: docs/alerts.md.
@@ -1120,7 +1134,7 @@ class RepresentationCollapseRule(_EpisodeRule):
         min_rows: int = 32,
         patience: int = 2,
         rise_from: float | None = 0.8,
-        rise_narrower_below: float = 1.0,
+        narrower_below: float | None = 1.0,
     ) -> None:
         super().__init__(patience)
         if not 0 < alert_above < 1 or not 0 <= min_spread_rank <= 1:
@@ -1133,17 +1147,17 @@ class RepresentationCollapseRule(_EpisodeRule):
                 "RepresentationCollapseRule: rise_from must be in (0, alert_above) or None, got "
                 f"{rise_from}"
             )
-        if not rise_narrower_below > 0:
+        if narrower_below is not None and not narrower_below > 0:
             raise ValueError(
-                "RepresentationCollapseRule: rise_narrower_below must be > 0, got "
-                f"{rise_narrower_below}"
+                "RepresentationCollapseRule: narrower_below must be > 0 or None, got "
+                f"{narrower_below}"
             )
         self.alert_above = float(alert_above)
         self.min_spread_rank = float(min_spread_rank)
         self.z = float(z)
         self.min_rows = int(min_rows)
         self.rise_from = None if rise_from is None else float(rise_from)
-        self.rise_narrower_below = float(rise_narrower_below)
+        self.narrower_below = None if narrower_below is None else float(narrower_below)
         #: whether the last read with a share was clearly under ``rise_from`` (None: no read yet)
         self.was_low: bool | None = None
 
@@ -1172,10 +1186,18 @@ class RepresentationCollapseRule(_EpisodeRule):
         if spread_rank < self.min_spread_rank * min(width, rows - 1):
             return False, None  # one large shared vector, but the rest is structured
         narrowest = metrics.get("dd/sigma_min_ratio_min", math.nan)
-        if was_low and narrowest < self.rise_narrower_below:  # NaN: no profile, no transition
-            # the transition itself, from clearly under rise_from at the previous read, with
-            # the stream narrowing behind it: it stands for the whole patience
-            self.count = max(self.count, self.patience - 1)
+        if self.narrower_below is not None and math.isfinite(narrowest):
+            # the stream's input over the line too: the embedding itself collapsed, and the
+            # ratios, read against it, cannot fall
+            collapsed_input = _input_share(metrics) > self.alert_above
+            if narrowest >= self.narrower_below and not collapsed_input:
+                # one shared vector, but the stream keeps its width behind it: a language
+                # model's first steps (every token predicts the unigram distribution)
+                return False, None
+            if was_low:
+                # the transition itself, from clearly under rise_from at the previous read,
+                # with the stream narrowing behind it: it stands for the whole patience
+                self.count = max(self.count, self.patience - 1)
         return True, Alert(
             self.name,
             key,

@@ -106,7 +106,9 @@ class DepthRead:
         return {
             "delta_gamma": self.delta_gamma,
             "delta_gamma_control": self.control_delta_gamma,
-            "depth": self.depth,
+            # not "depth": a residual point's index has that key, and a pre-norm model's
+            # point and norm share their module path
+            "depth_gamma": self.depth,
             "depth_control": self.control_depth,
             "depth_sd": self.depth_sd,
             "depth_z": self.depth_z,
