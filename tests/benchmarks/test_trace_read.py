@@ -16,6 +16,8 @@ def test_one_read_touches_few_files_in_short_chains(tmp_path):
     summary = trace_read.summary(trace_read.trace_read(tmp_path))
     assert summary["calls"] > 100  # the read was traced: the reads, the rules, the logger
     assert "engine/monitor.py" in summary["files_outside_functional"]
-    assert len(summary["files_outside_functional"]) <= 6, summary["files_outside_functional"]
+    # 7 since issue 32's attention-logit read: its hooks (taps/attention.py) run in the
+    # sampled forward beside the accumulators' (taps/hooks.py)
+    assert len(summary["files_outside_functional"]) <= 7, summary["files_outside_functional"]
     assert summary["longest_hops"] <= 7, summary["longest_chain"]
     assert summary["hops_back"] == []
