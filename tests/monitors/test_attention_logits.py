@@ -97,6 +97,8 @@ def test_rule_fires_on_overflow_waits_on_nan_and_rejects_a_bad_threshold():
         "attention_logit_growth"
     ]  # an overflow is over every line, first read or not
     assert rule.evaluate({"dd/attn_logit_max": math.nan}, 3) == [] and rule.firing  # no news
+    assert rule.evaluate({"dd/attn_logit_max": -2.0}, 4) == []  # every logit negative
+    assert rule.evaluate({"dd/attn_logit_max": -1.0}, 5) == [] and not rule.firing
     with pytest.raises(ValueError, match="max_logit"):
         AttentionLogitRule(max_logit=0)
     with pytest.raises(ValueError, match="extreme"):

@@ -1448,7 +1448,9 @@ class AttentionLogitRule(_EpisodeRule):
             if before is None or not self.step > before[1]:
                 continue  # no earlier read of this module: no rate yet
             decided = True
-            rate = math.log(value / max(before[0], self.base)) / (self.step - before[1])
+            # a logit at or under 0 is not growing towards one-hot
+            growth = math.log(value / max(before[0], self.base)) if value > 0 else -math.inf
+            rate = growth / (self.step - before[1])
             if value > self.max_logit and rate > self.rate:
                 over[module] = (value, rate)
         if not over:
