@@ -49,6 +49,8 @@ def _profile_keys(metrics: dict[str, float]) -> dict[str, float]:
     # the stream reads of the residual points (docs/metrics.md §1.6; no norm layer is read here)
     keep += ("/offset_share", "/offset_share_max", "/rms", "/rms_growth", "/rms_growth_max")
     keep += ("/final_offset_share", "/nonfinite_share", "/rows_rejected")
+    # the attention-logit read (§1.7): no memory budget removes it
+    keep += ("/max_logit", "/attn_logit_max", "/attn_modules_read")
     return {k: v for k, v in metrics.items() if k.startswith("dd/") and k.endswith(keep)}
 
 
