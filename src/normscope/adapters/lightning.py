@@ -342,8 +342,9 @@ class DeadDirectionMonitor(_LightningMonitor):
             steps (``dd/<module>/max_logit``, ``dd/attn_logit_max``; docs/metrics.md §1.7) and
             judged by :class:`~normscope.alerts.AttentionLogitRule`: ``"auto"`` (every innermost
             module whose class name contains ``attn`` or ``attention``), a list of module
-            paths, or ``None``. The read sees ``scaled_dot_product_attention`` and ``softmax``
-            calls inside those modules' forwards; compiled forwards are not read.
+            paths, or ``None``. The read sees ``scaled_dot_product_attention``, ``softmax`` and
+            ``multi_head_attention_forward`` calls inside those modules' forwards; compiled
+            forwards are not read (``dd/attn_modules_read`` 0).
 
     Raises:
         MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown

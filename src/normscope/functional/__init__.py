@@ -1,5 +1,6 @@
 """Pure math on tensors: accumulators and reads (docs/metrics.md). No hooks, no Lightning, no logging."""
 
+from normscope.functional.attention import logit_max, mha_logit_max, sdpa_logit_max
 from normscope.functional.covariance import (
     StreamingCovariance,
     fetch_counts,
@@ -41,6 +42,7 @@ from normscope.functional.stream import (
 )
 
 __all__ = ["DiagonalMoment", "StreamingCovariance", "symmetric_eigh", "symmetric_eigvalsh"]
+__all__ += ["logit_max", "mha_logit_max", "sdpa_logit_max"]
 __all__ += ["GammaRead", "KernelRead", "SchurRead", "deepening", "gamma_read", "kernel_read"]
 __all__ += ["predicted_kernel", "rmsnorm_alignment_max", "rows_comparable", "schur_quotient"]
 __all__ += ["RetentionRead", "sublayer_retention"]
