@@ -1383,8 +1383,11 @@ class AttentionLogitRule(_EpisodeRule):
     under 10 are too small to make a softmax one-hot.
 
     Read exactly over every row of the sampled forwards: no interval. The rate is per
-    optimiser step between reads (the steps come from the reads' own steps), so a sparse
-    cadence averages a fast burst over more steps and reads it slower. ``+inf`` (an overflow in
+    optimiser step against the newest read at least ``min_steps`` (8) earlier: read every
+    step, the maximum wobbles ~10% from batch to batch, which over one step reads as 0.04-0.26
+    (25 alerts in the healthy runs of ``benchmarks/alert_roc.py`` read every step, at width
+    256, before this span). A sparse cadence averages a fast burst over more steps and reads it
+    slower. ``+inf`` (an overflow in
     half precision) fires; NaN decides nothing (:class:`NonFiniteRule` has it). One alert per
     episode, re-armed when no module is over. Seeds and measurements: docs/alerts.md.
 
@@ -1410,21 +1413,24 @@ class AttentionLogitRule(_EpisodeRule):
         rate: float = 0.04,
         base: float = 10.0,
         extreme: float | None = 1000.0,
+        min_steps: int = 8,
     ) -> None:
         super().__init__()
-        if not (max_logit > 0 and rate > 0 and base > 0) or (
+        if not (max_logit > 0 and rate > 0 and base > 0 and min_steps >= 1) or (
             extreme is not None and not extreme > max_logit
         ):
             raise ValueError(
-                "AttentionLogitRule: max_logit, rate and base must be > 0 and extreme > "
-                f"max_logit, got {max_logit}, {rate}, {base}, {extreme}"
+                "AttentionLogitRule: max_logit, rate, base and min_steps must be > 0 and "
+                f"extreme > max_logit, got {max_logit}, {rate}, {base}, {extreme}, {min_steps}"
             )
         self.max_logit = float(max_logit)
         self.rate = float(rate)
         self.base = float(base)
         self.extreme = None if extreme is None else float(extreme)
-        #: each module's logit and step at its previous read
-        self.previous: dict[str, tuple[float, int]] = {}
+        self.min_steps = int(min_steps)
+        #: each module's recent reads ``(logit, step)``, oldest first: the newest read at
+        #: least ``min_steps`` before the last one, and every read after it
+        self.previous: dict[str, list[tuple[float, int]]] = {}
 
     def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
         values = {
@@ -1439,14 +1445,20 @@ class AttentionLogitRule(_EpisodeRule):
         over: dict[str, tuple[float, float]] = {}  # module -> (value, its growth rate)
         decided = False
         for module, value in values.items():
-            before = self.previous.get(module)
+            history = self.previous.setdefault(module, [])
+            # the rate's reference: the newest read at least min_steps back (read every step,
+            # a batch-to-batch wobble of the maximum, ~10%, would read as a rate)
+            span = self.min_steps
+            before = next((r for r in reversed(history) if self.step - r[1] >= span), None)
             if math.isfinite(value):
-                self.previous[module] = (value, self.step)
+                history.append((value, self.step))
+                old = [i for i, r in enumerate(history) if self.step - r[1] >= span]
+                del history[: old[-1] if old else 0]
             if value == math.inf or (self.extreme is not None and value > self.extreme):
                 over[module] = (value, math.inf)
                 continue
-            if before is None or not self.step > before[1]:
-                continue  # no earlier read of this module: no rate yet
+            if before is None:
+                continue  # no read of this module min_steps back: no rate yet
             decided = True
             # a logit at or under 0 is not growing towards one-hot
             growth = math.log(value / max(before[0], self.base)) if value > 0 else -math.inf
@@ -1477,11 +1489,14 @@ class AttentionLogitRule(_EpisodeRule):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "previous": {k: list(v) for k, v in self.previous.items()}}
+        previous = {k: [list(r) for r in v] for k, v in self.previous.items()}
+        return {**super().state_dict(), "previous": previous}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.previous = {k: (float(v[0]), int(v[1])) for k, v in state.get("previous", {}).items()}
+        self.previous = {
+            k: [(float(r[0]), int(r[1])) for r in v] for k, v in state.get("previous", {}).items()
+        }
 
 
 def default_dead_direction_rules(
