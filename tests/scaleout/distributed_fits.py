@@ -155,10 +155,12 @@ def fit_exact(out: Path, async_reads: bool = False) -> dict[str, Any]:
 
 def _jobs(tracker: DeadDirectionTracker) -> int:
     """The jobs of one whole read: norm layers, the residual points no norm reads (a point a
-    norm reads is read in that norm's job; no sources here) and the one stream job."""
+    norm reads is read in that norm's job; no sources here), the one stream job and the one
+    attention-logit job."""
     inputs = {tap_in.key for tap_in, _ in tracker.norm_taps.values()}
     alone = sum(1 for tap in tracker.point_taps if tap.key not in inputs)
-    return len(tracker.norms) + alone + 1  # + the stream job
+    attention = 1 if tracker.attention_on else 0
+    return len(tracker.norms) + alone + 1 + attention  # + the stream and attention jobs
 
 
 def fit_exact_async(out: Path) -> dict[str, Any]:

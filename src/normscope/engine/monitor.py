@@ -979,7 +979,8 @@ class Monitor:
 # Rankings (worst first; NaN never ranks):
 #
 # * ``dd``: smallest ``sigma_min_step`` (the sublayer that shrank the stream most), largest
-#   ``kernel_residual`` (a LayerNorm's kernel lost), largest ``delta_gamma``;
+#   ``kernel_residual`` (a LayerNorm's kernel lost), largest ``delta_gamma``, largest
+#   ``max_logit`` (the attention module nearest one-hot softmax rows);
 # * ``sm``: largest ``max_leverage``, largest ``sign_churn``, largest ``asymmetry_ratio``.
 # ============================================================================
 
@@ -988,7 +989,12 @@ LogPerLayer = str | int
 
 # family -> [(metric, worst is larger)]
 RANKINGS: dict[str, tuple[tuple[str, bool], ...]] = {
-    "dd": (("sigma_min_step", False), ("kernel_residual", True), ("delta_gamma", True)),
+    "dd": (
+        ("sigma_min_step", False),
+        ("kernel_residual", True),
+        ("delta_gamma", True),
+        ("max_logit", True),
+    ),
     "sm": (("max_leverage", True), ("sign_churn", True), ("asymmetry_ratio", True)),
 }
 

@@ -186,7 +186,7 @@ def mha_logit_max(
         >>> from torch import nn
         >>> mha = nn.MultiheadAttention(4, 2, bias=False)
         >>> with torch.no_grad():
-        ...     mha.in_proj_weight.copy_(torch.eye(4).repeat(3, 1))
+        ...     _ = mha.in_proj_weight.copy_(torch.eye(4).repeat(3, 1))
         >>> x = torch.tensor([[[2.0, 0.0, 0.0, 0.0]], [[0.0, 0.0, 3.0, 0.0]]])  # (L=2, N=1, E=4)
         >>> round(mha_logit_max(x, x, 2, mha.in_proj_weight, None).item(), 4)  # 3 * 3 / sqrt(2)
         6.364
