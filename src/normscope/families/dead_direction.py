@@ -1414,19 +1414,22 @@ def rank_deficiency_note(report: DeadDirectionReport) -> str | None:
 _HALF_TRUE = ("bf16-true", "16-true")
 
 
-def _paths(value: Any) -> bool:
-    """A list or tuple of strings (module paths)."""
-    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
-
-
-def check_layers(layers: str | Iterable[str], owner: str) -> str | list[str]:
-    """``"auto"`` or a list of module paths (a generator is read once), else
-    :class:`~normscope._common.ConfigurationError` naming ``owner``."""
+def check_layers(
+    layers: str | Iterable[str] | None, owner: str, what: str = "layers", none_ok: bool = False
+) -> str | list[str] | None:
+    """``"auto"`` or a list of module paths (a generator is read once; ``None`` too when
+    ``none_ok``), else :class:`~normscope._common.ConfigurationError` naming ``owner`` and the
+    argument ``what``."""
+    if layers is None and none_ok:
+        return None
     paths = None if isinstance(layers, str) or not isinstance(layers, Iterable) else list(layers)
     if layers != "auto" and (paths is None or not all(isinstance(x, str) for x in paths)):
-        raise ConfigurationError(
-            f"{owner}: layers must be 'auto' or a list of module paths, got {layers!r}"
+        allowed = (
+            "'auto', a list of module paths or None"
+            if none_ok
+            else ("'auto' or a list of module paths")
         )
+        raise ConfigurationError(f"{owner}: {what} must be {allowed}, got {layers!r}")
     return "auto" if paths is None else paths
 
 
@@ -1501,12 +1504,7 @@ class DeadDirectionFamily:
         self.seed = seed
         self.sources = sources
         self.max_sources = max_sources
-        if not (attention is None or attention == "auto" or _paths(attention)):
-            raise ConfigurationError(
-                f'{owner}: attention must be "auto", a list of module paths or None, got '
-                f"{attention!r}"
-            )
-        self.attention = attention
+        self.attention = check_layers(attention, owner, what="attention", none_ok=True)
         self.tracker: DeadDirectionTracker | None = None
         self._discovering = False
         self._saved: dict[str, Any] = {}  # state loaded before the tracker existed

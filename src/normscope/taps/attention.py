@@ -173,8 +173,7 @@ class AttentionLogits:
             return
         try:
             if func is _SDPA:
-                bound = dict(zip(_SDPA_ARGS, args))
-                bound.update(kwargs)
+                bound = _bind(_SDPA_ARGS, args, kwargs)
                 q = bound["query"]
                 value = sdpa_logit_max(
                     q,
@@ -186,8 +185,7 @@ class AttentionLogits:
                     query_mask=query_rows(self.gate.mask, q.shape[0], q.shape[-2]),
                 )
             elif func is _MHA:
-                bound = dict(zip(_MHA_ARGS, args))
-                bound.update(kwargs)
+                bound = _bind(_MHA_ARGS, args, kwargs)
                 q = bound["query"]  # (L, N, E) or unbatched (L, E)
                 batch = q.shape[1] if q.dim() == 3 else 1
                 value = mha_logit_max(
@@ -234,7 +232,7 @@ class AttentionLogits:
 
     def reduce_(self) -> None:
         """All-reduce each module's maximum across ranks (a collective: call it on every rank,
-        in step). A module no rank read stays None."""
+        in step). A module no rank read holds -inf (read as NaN)."""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         for name in self.names:
@@ -245,7 +243,8 @@ class AttentionLogits:
                 else torch.full((), -math.inf, dtype=torch.float64, device=self.devices[name])
             )
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            self.maxima[name] = t if bool(t > -math.inf) or bool(torch.isnan(t)) else None
+            # -inf where no rank read the module: the read says NaN for it (no host sync here)
+            self.maxima[name] = t
 
     def state_dict(self) -> dict[str, Any]:
         """The open window's maxima (on the CPU; None where nothing was read)."""
@@ -264,6 +263,11 @@ class AttentionLogits:
     def remove(self) -> None:
         """Remove the hooks (the maxima stay readable)."""
         _remove(self._handles)
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by parameter name (positional ones named from ``names``)."""
+    return {**dict(zip(names, args)), **kwargs}
 
 
 def _remove(handles: list[Any]) -> None:
