@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
-from normscope.engine.monitor import canonical_metrics, named_metrics, parse_family
+from normscope.engine.keys import canonical_metrics, named_metrics, parse_family
 from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
 
 torch.set_num_threads(1)

@@ -13,7 +13,7 @@ from examples import sources as example
 from normscope import DeadDirectionTracker, Monitor, scan_model
 from normscope.alerts import SigmaMinRatioRule, SourceCollapseRule
 from normscope.alerts.rules import below_floor, classify_collapses
-from normscope.engine.monitor import select_layers
+from normscope.engine.publish import select_layers
 from normscope.families.budget import tap_cost as _tap_cost
 from normscope.functional import StreamingCovariance
 from normscope.taps.hooks import call_model

@@ -42,7 +42,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from normscope.engine import Monitor, Target
-from normscope.engine.monitor import named_key
+from normscope.engine.keys import named_key
 
 __all__ = ["DeadDirectionCallback", "SignMagnitudeCallback"]
 

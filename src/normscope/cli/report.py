@@ -38,7 +38,7 @@ from normscope.cli.run_alerts import (
     run_alerts,
     source_classes,
 )
-from normscope.engine.monitor import canonical_metrics, family_names
+from normscope.engine.keys import canonical_metrics, family_names
 from normscope.runs import RunReadError, read_run
 
 __all__ = ["depth_order", "merge_reads", "run", "source_rows", "summary_table"]
