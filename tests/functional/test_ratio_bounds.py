@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from normscope.alerts import SigmaMinRatioRule
-from normscope.alerts.rules import below_floor
+from normscope.alerts import SigmaMinRatioRule, below_floor
 from normscope.functional.profile import MIN_ROWS_PER_DIM, ratio_bounds, sigma_min_profile
 
 

@@ -11,8 +11,12 @@ import torch
 
 from examples import sources as example
 from normscope import DeadDirectionTracker, Monitor, scan_model
-from normscope.alerts import SigmaMinRatioRule, SourceCollapseRule
-from normscope.alerts.rules import below_floor, classify_collapses
+from normscope.alerts import (
+    SigmaMinRatioRule,
+    SourceCollapseRule,
+    below_floor,
+    classify_collapses,
+)
 from normscope.engine.publish import select_layers
 from normscope.families.budget import tap_cost as _tap_cost
 from normscope.functional import StreamingCovariance

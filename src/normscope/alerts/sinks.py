@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from normscope.alerts.rules import Alert
+from normscope.alerts.base import Alert
 
 __all__ = ["CallableSink", "LogSink", "WandbSink", "build_sinks"]
 

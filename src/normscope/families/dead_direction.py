@@ -37,7 +37,7 @@ from normscope.alerts import (
     SourceCollapseRule,
     default_dead_direction_rules,
 )
-from normscope.alerts.rules import classify_collapses, collapse_keys, source_reads
+from normscope.alerts.sources import classify_collapses, collapse_keys, source_reads
 from normscope.families.budget import fit_budget, stream_width
 from normscope.functional.covariance import fetch_counts, host_array, on_device
 from normscope.functional.dead_direction import (
