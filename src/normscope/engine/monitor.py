@@ -52,7 +52,6 @@ from normscope._common import ConfigurationError, disabled_message, logger, setu
 from normscope.alerts import Alert, build_sinks
 from normscope.engine.worker import ReadWorker
 from normscope.families.dead_direction import DeadDirectionFamily, read_share
-from normscope.families.sign_magnitude_family import SignMagnitudeFamily
 
 __all__ = [
     "Family",
@@ -78,6 +77,7 @@ class Family(Protocol):
     kind: str  # the monitor's name in messages: "DeadDirectionMonitor"
     supports_async: bool
     charts_every_n_reads: int
+    fsdp2: bool  # whether its reads work on FSDP2-sharded parameters (else refused at setup)
     rules: list[Any]  # its default rules; the engine appends the user's
     tracker: Any  # None until :meth:`build`
 
@@ -341,10 +341,10 @@ class Monitor:
         return cls._of(DeadDirectionFamily, model, options)
 
     @classmethod
-    def sign_magnitude(cls, model: nn.Module | None = None, **options: Any) -> Monitor:
-        """A sign–magnitude monitor: ``options`` are :class:`~normscope.SignMagnitudeMonitor`'s
-        plus ``log=``."""
-        return cls._of(SignMagnitudeFamily, model, options)
+    def of(cls, config: Any, model: nn.Module | None = None, **engine: Any) -> Monitor:
+        """A monitor of the family ``config`` builds (``SignMagnitudeConfig(...)``), with the
+        engine's options ``engine`` (``every_n_steps=``, ``log=``, ...)."""
+        return cls(config.build(), model=model, **engine)
 
     @classmethod
     def _of(cls, family_cls: type, model: nn.Module | None, options: dict[str, Any]) -> Monitor:
