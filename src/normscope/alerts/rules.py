@@ -290,8 +290,7 @@ class SigmaMinRatioRule:
     of its interval (``<ratio>_hi``, :func:`normscope.functional.profile.ratio_bounds`) is under
     the threshold. A point under the threshold whose interval reaches above it is *undecided*
     (``undecided[point]``: ``"not_confident"``, or ``"too_few_rows_for_bounds"`` below
-    ``N / d = min_rows_per_dim``) and never alerts. Logs without the interval keys (written by
-    normscope before 0.3) are judged on the ratio itself.
+    ``N / d = min_rows_per_dim``) and never alerts.
 
     **A sudden drop.** Small models in early training dip well below 1 with nothing wrong
     (measured: a healthy 4 x 64 demo GPT reads step ratios down to 0.62 between steps 9 and
@@ -434,10 +433,8 @@ class SigmaMinRatioRule:
                 continue
             if f"{metric}_hi" in values:
                 lo, hi = values.get(f"{metric}_lo", math.nan), values[f"{metric}_hi"]
-            elif "rows_per_dim" in values and "n_rows" in values:
+            else:  # a per-source read: the interval from its rows (NaN without them)
                 lo, hi = ratio_bounds(value, rows, per_dim)
-            else:  # a log without intervals: the ratio itself decides
-                lo = hi = value
             if math.isfinite(per_dim) and per_dim < self.min_rows_per_dim:
                 lo = hi = math.nan
             reads.append((float(value), metric, lo, hi))
