@@ -41,7 +41,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from normscope._common import ConfigurationError
 from normscope.engine import Monitor, StepResult, Target
 
-__all__ = ["FabricLoop", "is_fabric", "watch_fabric"]
+__all__ = [
+    "FabricLoop",
+    "check_fabric_strategy",
+    "is_fabric",
+    "tensor_parallel_size",
+    "watch_fabric",
+]
 
 
 def is_fabric(obj: Any) -> bool:

@@ -39,7 +39,13 @@ from normscope.alerts import Alert, AlertRule
 from normscope.engine import Monitor, StepResult, Target
 from normscope.families import DeadDirectionFamily, SignMagnitudeConfig
 
-__all__ = ["DeadDirectionMonitor", "SignMagnitudeMonitor", "check_strategy", "lightning_targets"]
+__all__ = [
+    "DeadDirectionMonitor",
+    "SignMagnitudeMonitor",
+    "TrainerPath",
+    "check_strategy",
+    "lightning_targets",
+]
 
 _SINGLE_AND_DDP = "a single device; DDP (DDPStrategy: strategy='ddp', 'ddp_spawn', 'ddp_fork')"
 _FSDP2 = (
