@@ -24,61 +24,53 @@ from normscope.taps.residual import tap_input
 __all__ = ["Probes"]
 
 
+#: a probe that failed: its key (``"<layer>:probe"`` or ``"probe forward"``), what it was, why
+Failure = tuple[str, str, BaseException]
+
+
 class Probes:
-    """The probes of ``layers`` (Linear paths of ``model``), their ``y`` taken at the inputs of
-    ``norms``. ``failed`` is the tracker's record of disabled reads (``"<layer>:probe"``,
-    ``"probe forward"``), ``fail(key, what, err)`` disables one and warns once.
+    """The probes of Linear layers of ``model``, their ``y`` taken at the inputs of ``norms``.
 
     Example::
 
-        probes = Probes(model, ["h.0.mlp.2"], norms, flip_rate=0.01, seed=0, failed={}, fail=f)
-        reads = probes.read(lambda: model(probe_batch))   # {"h.0.mlp.2": ProbeRead}
+        probes = Probes(model, norms, flip_rate=0.01, seed=0)
+        reads, failures = probes.read(["h.0.mlp.2"], lambda: model(probe_batch))
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        layers: list[str],
-        norms: list[nn.Module],
-        *,
-        flip_rate: float,
-        seed: int,
-        failed: dict[str, str],
-        fail: Callable[[str, str, BaseException], None],
+        self, model: nn.Module, norms: list[nn.Module], *, flip_rate: float, seed: int
     ) -> None:
         self.model = model
-        self.layers = layers
         self.norms = norms
         self.flip_rate = flip_rate
         self.seed = seed
-        self.failed = failed
-        self.fail = fail
 
     @torch.no_grad()
-    def read(self, forward: Callable[[], Any]) -> dict[str, ProbeRead]:
-        """Probe reads (docs/metrics.md §2.3) of every live probe layer, weights restored
-        bit-exactly; ``forward`` runs the model on the probe batch."""
+    def read(
+        self, layers: list[str], forward: Callable[[], Any]
+    ) -> tuple[dict[str, ProbeRead], list[Failure]]:
+        """Probe reads (docs/metrics.md §2.3) of ``layers``, weights restored bit-exactly;
+        ``forward`` runs the model on the probe batch. Returns the reads and the failures (the
+        caller disables those reads); a failing clean forward is one failure,
+        ``"probe forward"``, and no read."""
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()
         try:
             out: dict[str, ProbeRead] = {}
-            live = [n for n in self.layers if f"{n}:probe" not in self.failed]
-            if not live:
-                return out
+            failures: list[Failure] = []
+            if not layers:
+                return out, failures
             try:
                 # One clean pass serves every layer: each probe restores its weight bit-exactly.
                 clean = self.norm_inputs(forward)
             except Exception as err:  # noqa: BLE001 - the probe batch itself does not run
-                self.fail("probe forward", "the probe forward (so every probe)", err)
-                for name in live:
-                    self.failed.setdefault(f"{name}:probe", self.failed["probe forward"])
-                return out
-            for name in live:
+                return out, [("probe forward", "the probe forward (so every probe)", err)]
+            for name in layers:
                 try:
                     out[name] = self.probe_one(name, forward, clean)
                 except Exception as err:  # noqa: BLE001 - weights are restored in probe_one
-                    self.fail(f"{name}:probe", f"the probe of {name!r}", err)
-            return out
+                    failures.append((f"{name}:probe", f"the probe of {name!r}", err))
+            return out, failures
         finally:
             for module, mode in modes.items():
                 module.training = mode

@@ -30,6 +30,7 @@ from normscope.families.sign_magnitude.report import SignMagnitudeReport
 from normscope.functional.moments import DiagonalMoment
 from normscope.functional.sign_magnitude import (
     OutlierRead,
+    ProbeRead,
     WeightRead,
     outlier_amplitudes,
     weight_read,
@@ -99,12 +100,9 @@ class SignMagnitudeTracker:
         self.failed: dict[str, str] = {}
         self.probes = Probes(
             model,
-            probes,
             [n.module for n in find_norm_layers_or_empty(model)],
             flip_rate=config.flip_rate,
             seed=config.seed,
-            failed=self.failed,
-            fail=self._fail,
         )
         self.attached = False
 
@@ -182,9 +180,21 @@ class SignMagnitudeTracker:
                     outliers[name] = outlier_amplitudes(moment.second_moment_diagonal())
             except Exception as err:  # noqa: BLE001
                 self._fail(name, f"the outlier read of {name!r}", err)
-        probes = self.probes.read(probe) if probe is not None and self.probe_layers else {}
+        probes = self._probe(probe) if probe is not None and self.probe_layers else {}
         self.reset()
         return SignMagnitudeReport(step, weights, outliers, probes, dict(self.failed))
+
+    def _probe(self, forward: Callable[[], Any]) -> dict[str, ProbeRead]:
+        """The probe reads of the layers still probed; each failure disables its probe (a
+        failing probe forward: every probe)."""
+        live = [n for n in self.probe_layers if f"{n}:probe" not in self.failed]
+        reads, failures = self.probes.read(live, forward)
+        for key, what, err in failures:
+            self._fail(key, what, err)
+            if key == "probe forward":
+                for name in live:
+                    self.failed.setdefault(f"{name}:probe", self.failed[key])
+        return reads
 
     def _fail(self, key: str, what: str, err: BaseException | str) -> None:
         """Disable one layer's read (``key``) for the rest of the run, warning once. A layer
