@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
 from normscope.families.dead_direction import format_read_line
-from normscope.families.sign_magnitude import SignMagnitudeTracker
+from normscope.families.sign_magnitude import SignMagnitudeConfig, SignMagnitudeTracker
 from tests.reliability.models import (
     DDFailingCSVLogger,
     LitSparse,
@@ -242,7 +242,9 @@ def test_a_probe_failing_mid_perturbation_restores_the_weight_and_costs_that_lay
     model = TinyLM(norm="rmsnorm")
     x = torch.randint(0, 32, (4, 16))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    tracker = SignMagnitudeTracker(model, probe_layers=["h.0.mlp.2", "h.1.mlp.2"])
+    tracker = SignMagnitudeTracker(
+        model, SignMagnitudeConfig(probe_layers=["h.0.mlp.2", "h.1.mlp.2"])
+    )
     tracker.attach()
     calls = []
 

@@ -146,10 +146,8 @@ class SigmaMinRatioRule:
                 continue
             if f"{metric}_hi" in values:
                 lo, hi = values.get(f"{metric}_lo", math.nan), values[f"{metric}_hi"]
-            elif "rows_per_dim" in values and "n_rows" in values:
+            else:  # a per-source read: the interval from its rows (NaN without them)
                 lo, hi = ratio_bounds(value, rows, per_dim)
-            else:  # a log without intervals: the ratio itself decides
-                lo = hi = value
             if math.isfinite(per_dim) and per_dim < self.min_rows_per_dim:
                 lo = hi = math.nan
             reads.append((float(value), metric, lo, hi))

@@ -20,6 +20,7 @@ class Family(Protocol):
     kind: str  # the monitor's name in messages: "DeadDirectionMonitor"
     supports_async: bool
     charts_every_n_reads: int
+    fsdp2: bool  # whether its reads work on FSDP2-sharded parameters (else refused at setup)
     rules: list[Any]  # its default rules; the engine appends the user's
     tracker: Any  # None until :meth:`build`
 

@@ -37,7 +37,6 @@ from normscope.engine.ranks import RankAgreement
 from normscope.engine.state import load_rules_state, rules_state
 from normscope.engine.worker import InFlight
 from normscope.families.dead_direction import DeadDirectionFamily
-from normscope.families.sign_magnitude_family import SignMagnitudeFamily
 
 __all__ = ["Monitor"]
 
@@ -208,10 +207,10 @@ class Monitor:
         return cls._of(DeadDirectionFamily, model, options)
 
     @classmethod
-    def sign_magnitude(cls, model: nn.Module | None = None, **options: Any) -> Monitor:
-        """A sign–magnitude monitor: ``options`` are :class:`~normscope.SignMagnitudeMonitor`'s
-        plus ``log=``."""
-        return cls._of(SignMagnitudeFamily, model, options)
+    def of(cls, config: Any, model: nn.Module | None = None, **engine: Any) -> Monitor:
+        """A monitor of the family ``config`` builds (``SignMagnitudeConfig(...)``), with the
+        engine's options ``engine`` (``every_n_steps=``, ``log=``, ...)."""
+        return cls(config.build(), model=model, **engine)
 
     @classmethod
     def _of(cls, family_cls: type, model: nn.Module | None, options: dict[str, Any]) -> Monitor:

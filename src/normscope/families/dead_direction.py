@@ -1445,6 +1445,7 @@ class DeadDirectionFamily:
     prefix = "dd"
     kind = "DeadDirectionMonitor"
     supports_async = True
+    fsdp2 = True  # gammas are read whole in the forward (docs/integrations.md)
     #: W&B: the profile chart and spectrum table at the first read and every this many reads
     charts_every_n_reads: int = 10
 
