@@ -74,18 +74,21 @@ def csv_report(collapsed_run, tmp_path_factory: pytest.TempPathFactory):
     return code, stdout, stderr, out
 
 
-def check_files(out: Path, result: dict) -> None:
-    for name in (*RUN_PNGS, "report.md", "report.html", "report.json"):
+def check_files(
+    out: Path, result: dict, pngs: tuple[str, ...] = (*RUN_PNGS, "timeline.png")
+) -> None:
+    """The report's files; ``pngs``: the figures it must hold (an alerting run's timeline too)."""
+    for name in (*pngs, "report.md", "report.html", "report.json"):
         assert (out / name).is_file() and name in result["files"], name
-    for name in RUN_PNGS:
+    for name in pngs:
         width, height = png_size(out / name)
         assert 600 <= width <= 2000 and 300 <= height <= 2000, (name, width, height)
         assert_drawn(out / name)
     page = (out / "report.html").read_text()
     sources = re.findall(r'src="([^"]+)"', page)
-    assert len(sources) == len(RUN_PNGS)
+    assert len(sources) == len(pngs)
     assert {base64.b64decode(s.split(",", 1)[1]) for s in sources} == {
-        (out / n).read_bytes() for n in RUN_PNGS
+        (out / n).read_bytes() for n in pngs
     }
 
 
@@ -144,6 +147,8 @@ def test_healthy_run_has_no_alert(tmp_path: Path) -> None:
     assert code == 0, stderr
     assert load_json(tmp_path / "out" / "report.json")["alerts"] == []
     assert "no alert" in stdout
+    assert "timeline: healthy: no read left its band" in stdout  # one line, no timeline.png
+    assert "timeline.png" not in load_json(tmp_path / "out" / "report.json")["files"]
     # no alert column, and no empty cell in the reads table (it had an unnamed last column)
     md = (tmp_path / "out" / "report.md").read_text().splitlines()
     table = [line for line in md if line.startswith("| ") and line[2:3].isdigit()]
