@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from normscope import DeadDirectionMonitor
+from normscope.alerts import alert_text
 from normscope.cli.report import depth_order
 from normscope.cli.run_alerts import reevaluate_alerts
 from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
@@ -127,7 +128,9 @@ def test_wandb_run_shows_its_alert_records(collapsed_run, csv_report, tmp_path: 
     assert result["alerts"], "the alert record of the run"
     alert = result["alerts"][0]
     assert alert["origin"] == "logged" and alert["title"] == first.title
-    assert alert["text"] == first.message and alert["step"] == float(first.step)
+    # the W&B text is the message and what to try (issue 43)
+    assert alert["text"] == alert_text(first) and alert["step"] == float(first.step)
+    assert first.remedy and alert["text"].endswith(f" -- try: {first.remedy}")
     check_files(tmp_path / "wandb", result)
     # the same reads as the CSV log of the same fit
     from_csv = load_json(csv_report[3] / "report.json")

@@ -20,8 +20,12 @@ Modules, by kind of rule (each name below is importable from ``normscope.alerts`
 * :mod:`~normscope.alerts.weights`: :class:`KernelLossRule`, :class:`OutlierRule`,
   :class:`SignChurnSpikeRule`;
 * :mod:`~normscope.alerts.defaults`: :func:`default_dead_direction_rules`;
+* :mod:`~normscope.alerts.remedies`: :data:`REMEDIES`, what to try for each default rule (each
+  rule's ``remedy``, on every alert it raises);
+* :mod:`~normscope.alerts.paging`: :class:`Pager` (one event, one page: which alerts reach the
+  sinks, which are counted) and :func:`format_alerts` (the end-of-fit list);
 * :mod:`~normscope.alerts.sinks`: :class:`LogSink`, :class:`WandbSink`, :class:`CallableSink`,
-  :func:`build_sinks`.
+  :func:`build_sinks`, :func:`alert_text`.
 
 The why of each rule and the measurements behind its defaults: docs/alerts.md.
 
@@ -38,8 +42,10 @@ from __future__ import annotations
 from normscope.alerts.attention import AttentionLogitRule
 from normscope.alerts.base import Alert, AlertRule, CallableRule, EpisodeRule
 from normscope.alerts.defaults import default_dead_direction_rules
+from normscope.alerts.paging import Pager, format_alerts
+from normscope.alerts.remedies import REMEDIES
 from normscope.alerts.sigma_min import SigmaMinRatioRule, below_floor
-from normscope.alerts.sinks import CallableSink, LogSink, WandbSink, build_sinks
+from normscope.alerts.sinks import CallableSink, LogSink, WandbSink, alert_text, build_sinks
 from normscope.alerts.sources import (
     CLASS_CODE,
     Collapse,
@@ -72,18 +78,22 @@ __all__ = [
     "LogSink",
     "NonFiniteRule",
     "OutlierRule",
+    "Pager",
+    "REMEDIES",
     "RepresentationCollapseRule",
     "ScaleGrowthRule",
     "SigmaMinRatioRule",
     "SignChurnSpikeRule",
     "SourceCollapseRule",
     "WandbSink",
+    "alert_text",
     "below_floor",
     "build_sinks",
     "classify_collapses",
     "collapse_keys",
     "default_dead_direction_rules",
     "describe",
+    "format_alerts",
     "source_reads",
     "spread_bounds",
 ]

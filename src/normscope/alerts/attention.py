@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from normscope.alerts.base import Alert, EpisodeRule
+from normscope.alerts.remedies import REMEDIES
 
 __all__ = ["AttentionLogitRule"]
 
@@ -44,6 +45,7 @@ class AttentionLogitRule(EpisodeRule):
     """
 
     name = "attention_logit_growth"
+    remedy: str | None = REMEDIES["attention_logit_growth"]
 
     def __init__(
         self,
@@ -120,10 +122,9 @@ class AttentionLogitRule(EpisodeRule):
             float(value),
             self.max_logit,
             f"attention-logit growth at step {self.step}: the largest pre-softmax attention "
-            f"logit{where} is {value:.4g}, {why}: its softmax rows are heading for one-hot; "
-            "qk-layernorm or a lower learning rate for the query and key projections are the "
-            "usual remedies",
+            f"logit{where} is {value:.4g}, {why}: its softmax rows are heading for one-hot",
             point=module or None,
+            remedy=self.remedy,
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -18,7 +18,10 @@ __all__ = ["Alert", "AlertRule", "CallableRule", "EpisodeRule"]
 
 @dataclass(frozen=True)
 class Alert:
-    """One alert: which rule, which metric key, where (point and sublayer), when, how bad."""
+    """One alert: which rule, which metric key, where (point and sublayer), when, how bad, and
+    what to try (``remedy``: the rule's entry of :data:`~normscope.alerts.remedies.REMEDIES`).
+    A monitor's :class:`~normscope.alerts.paging.Pager` sets ``event`` (the event it belongs
+    to, from 1) and ``paged`` (whether the sinks got it, or it was only counted)."""
 
     rule: str
     key: str
@@ -31,6 +34,9 @@ class Alert:
     #: the monitor that raised it: ``"DeadDirectionMonitor"``, or with its name
     #: ``"DeadDirectionMonitor[fast]"`` (then ``key`` is the key that monitor logs, ``dd[fast]/...``)
     monitor: str | None = None
+    remedy: str | None = None
+    event: int | None = None
+    paged: bool | None = None
 
     @property
     def title(self) -> str:
@@ -53,6 +59,9 @@ class Alert:
             "sublayer": self.sublayer,
             "message": self.message,
             "monitor": self.monitor,
+            "remedy": self.remedy,
+            "event": self.event,
+            "paged": self.paged,
         }
 
 
@@ -130,7 +139,7 @@ class EpisodeRule(abc.ABC):
 
 class CallableRule:
     """A rule of yours: ``fn(metrics, step)`` returns None, a message, an :class:`Alert`, or a
-    list of them; it keeps no state.
+    list of them; it keeps no state. ``remedy``: what to try, on the alerts of its messages.
 
     Example::
 
@@ -139,9 +148,15 @@ class CallableRule:
         [('loss_spike', 7, 'spike')]
     """
 
-    def __init__(self, name: str, fn: Callable[[Mapping[str, float], int], Any]) -> None:
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[[Mapping[str, float], int], Any],
+        remedy: str | None = None,
+    ) -> None:
         self.name = name
         self.fn = fn
+        self.remedy = remedy
 
     def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
         out = self.fn(metrics, step)
@@ -151,7 +166,7 @@ class CallableRule:
         return [
             a
             if isinstance(a, Alert)
-            else Alert(self.name, self.name, step, math.nan, math.nan, str(a))
+            else Alert(self.name, self.name, step, math.nan, math.nan, str(a), remedy=self.remedy)
             for a in items
         ]
 

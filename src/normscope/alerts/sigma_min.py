@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from normscope.alerts.base import Alert
+from normscope.alerts.remedies import REMEDIES
 from normscope.functional.profile import ratio_bounds
 
 __all__ = ["SigmaMinRatioRule", "below_floor"]
@@ -56,6 +57,7 @@ class SigmaMinRatioRule:
     """
 
     name = "sigma_min_collapse"
+    remedy: str | None = REMEDIES["sigma_min_collapse"]
 
     def __init__(
         self,
@@ -296,6 +298,7 @@ class SigmaMinRatioRule:
                     f"{self.patience} read(s))",
                     point=point,
                     sublayer=sub,
+                    remedy=self.remedy,
                 )
             )
         # the episode ends at the first read with no point below (one that cannot decide ends

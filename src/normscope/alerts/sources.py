@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from normscope.alerts.base import Alert
+from normscope.alerts.remedies import REMEDIES
 from normscope.alerts.sigma_min import SigmaMinRatioRule, below_floor
 
 __all__ = [
@@ -252,6 +253,7 @@ class SourceCollapseRule:
     """
 
     name = "source_collapse"
+    remedy: str | None = REMEDIES["source_collapse"]
 
     def __init__(self, sigma_rule: SigmaMinRatioRule | None = None, undetermined: bool = False):
         self.sigma_rule = sigma_rule if sigma_rule is not None else SigmaMinRatioRule()
@@ -286,6 +288,7 @@ class SourceCollapseRule:
                     f"(threshold {self.threshold:.3g})",
                     point=c.point,
                     sublayer=sub,
+                    remedy=self.remedy,
                 )
             )
         return alerts

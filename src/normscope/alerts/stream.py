@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from normscope.alerts.base import Alert, EpisodeRule
+from normscope.alerts.remedies import REMEDIES
 
 __all__ = [
     "GainDriftRule",
@@ -41,6 +42,7 @@ class NonFiniteRule:
     """
 
     name = "non_finite_rows"
+    remedy: str | None = REMEDIES["non_finite_rows"]
 
     def __init__(self) -> None:
         self.firing = False
@@ -62,6 +64,7 @@ class NonFiniteRule:
                 0.0,
                 f"non-finite activations at step {step}: {value:.0f} rows with NaN or Inf were "
                 "dropped from the read (the loss and the weights are likely non-finite too)",
+                remedy=self.remedy,
             )
         ]
 
@@ -145,6 +148,7 @@ class RepresentationCollapseRule(EpisodeRule):
     """
 
     name = "representation_collapse"
+    remedy: str | None = REMEDIES["representation_collapse"]
 
     def __init__(
         self,
@@ -230,6 +234,7 @@ class RepresentationCollapseRule(EpisodeRule):
             f"varies in no particular direction (centred RankMe {spread_rank:.3g} of "
             f"{width:.0f})",
             point=final,
+            remedy=self.remedy,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -259,6 +264,7 @@ class GainDriftRule(EpisodeRule):
     """
 
     name = "norm_gain_drift"
+    remedy: str | None = REMEDIES["norm_gain_drift"]
 
     def __init__(
         self,
@@ -327,6 +333,7 @@ class GainDriftRule(EpisodeRule):
             + (f" ({layer})" if layer else "")
             + (f"; {also}" if also else ""),
             point=layer,
+            remedy=self.remedy,
         )
 
 
@@ -357,6 +364,7 @@ class ScaleGrowthRule(EpisodeRule):
     """
 
     name = "stream_scale_growth"
+    remedy: str | None = REMEDIES["stream_scale_growth"]
 
     def __init__(self, max_growth: float = 300.0) -> None:
         super().__init__()
@@ -381,4 +389,5 @@ class ScaleGrowthRule(EpisodeRule):
             f"{point or 'a point'} grew {growth:.3g}x since the previous read (> "
             f"{self.max_growth:g}x)",
             point=point,
+            remedy=self.remedy,
         )

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from normscope.alerts.base import Alert
+from normscope.alerts.remedies import REMEDIES
 
 __all__ = ["KernelLossRule", "OutlierRule", "SignChurnSpikeRule"]
 
@@ -31,6 +32,7 @@ class KernelLossRule:
     """
 
     name = "layernorm_kernel_lost"
+    remedy: str | None = REMEDIES["layernorm_kernel_lost"]
 
     def __init__(self, max_kernel_residual: float = 1e-4) -> None:
         self.max_kernel_residual = max_kernel_residual
@@ -61,6 +63,7 @@ class KernelLossRule:
                     f"LayerNorm {path} lost its exact kernel at step {step}: kernel_residual "
                     f"{value:.3g} > {self.max_kernel_residual:.3g}",
                     point=path,
+                    remedy=self.remedy,
                 )
             )
         return alerts
@@ -86,6 +89,7 @@ class OutlierRule:
     """
 
     name = "outlier_feature"
+    remedy: str | None = REMEDIES["outlier_feature"]
 
     def __init__(self, max_leverage_above: float = 100.0) -> None:
         if max_leverage_above <= 1:
@@ -119,6 +123,7 @@ class OutlierRule:
                     f"outlier feature at the input of {layer} at step {step}: max_leverage "
                     f"{value:.4g} > {self.max_leverage_above:.4g}",
                     point=layer,
+                    remedy=self.remedy,
                 )
             )
         return alerts
@@ -145,6 +150,7 @@ class SignChurnSpikeRule:
     """
 
     name = "sign_churn_spike"
+    remedy: str | None = REMEDIES["sign_churn_spike"]
 
     def __init__(
         self, factor: float = 5.0, min_churn: float = 0.01, key: str = "sm/sign_churn_mean"
@@ -175,6 +181,7 @@ class SignChurnSpikeRule:
                         limit,
                         f"sign churn spiked to {value:.3g} at step {step} ({value / max(median, 1e-12):.3g}x "
                         f"the median {median:.3g} of earlier reads)",
+                        remedy=self.remedy,
                     )
                 )
         self.history = (self.history + [float(value)])[-50:]

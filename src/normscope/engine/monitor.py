@@ -28,7 +28,7 @@ from torch import nn
 
 from normscope._common import ConfigurationError, logger, setup_logger
 from normscope._distributed import rank_zero, read_share, world_size
-from normscope.alerts import Alert, build_sinks
+from normscope.alerts import Alert, Pager, build_sinks, format_alerts
 from normscope.engine.cost import CostGuard
 from normscope.engine.family import Family, StepResult
 from normscope.engine.keys import check_name
@@ -82,6 +82,8 @@ class Monitor:
         rules: extra :mod:`normscope.alerts` rules (``evaluate(metrics, step)``), after the
             family's own.
         alerts: sinks: ``"log"``, ``"wandb"``, or callables ``fn(alert)``.
+        paging: which alerts page the sinks (default ``Pager()``: per event the first alert
+            and one follow-up; the rest counted, in ``alerts_fired`` and the summary).
         stop_on_alert: ask the loop to stop when an alert fires (decided across ranks).
         log_per_layer: per-layer keys sent to the targets: ``"all"``, ``"none"``, or the ``k``
             worst layers of each ranking (rules always see every key).
@@ -132,6 +134,7 @@ class Monitor:
         async_reads: bool | None = None,
         log: Any = None,
         model: nn.Module | None = None,
+        paging: Pager | None = None,
     ) -> None:
         owner = family.kind
         try:
@@ -167,6 +170,7 @@ class Monitor:
             sinks=sinks,
             targets=as_targets(log),
             warn_once=self._warn_once,
+            pager=paging,
         )
         # per read
         self.reads = 0
@@ -384,12 +388,17 @@ class Monitor:
     @_fail_open("finish")
     def finish(self) -> StepResult:
         """The end of training: the read in flight published (never lost), the worker joined,
-        the summary (``verbose``)."""
+        the open event's count line, the summary (``verbose``: the family's, then every alert
+        with its step and remedy)."""
         self._result = StepResult(should_stop=self.should_stop)
         self._publish_due(wait=True)
         self._stop_worker()
+        closed = self.publisher.pager.close()
+        if rank_zero():
+            self.publisher.count_line(closed)
         if self.verbose and self.last_report is not None and rank_zero():
             text = self.family.summary(self.last_report, self.reads, self.alerts_fired)
+            text = "\n".join(t for t in (text, format_alerts(self.alerts_fired)) if t)
             if text:
                 logger.info(self._named(text))
         return self._result
@@ -611,6 +620,7 @@ class Monitor:
                 "last_read_step": self.last_read_step,
                 "rules": rules_state(self.rules),
                 "alerts_fired": [a.as_dict() for a in self.alerts_fired],
+                "pager": self.publisher.pager.state_dict(),
                 "family": self.family.state_dict(),
             }
         except Exception as err:  # noqa: BLE001 - a checkpoint is never lost over us
@@ -629,6 +639,7 @@ class Monitor:
             self.last_read_step = int(state.get("last_read_step", -1))
             load_rules_state(self.rules, state.get("rules", {}))
             self.alerts_fired = [Alert(**a) for a in state.get("alerts_fired", [])]
+            self.publisher.pager.load_state_dict(state.get("pager", {}))
             self.family.load_state_dict(state.get("family", {}))
         except Exception as err:  # noqa: BLE001
             self._warn_once(

@@ -23,8 +23,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from normscope._common import disabled_message
+from normscope._common import disabled_message, logger
 from normscope._distributed import rank_zero
+from normscope.alerts.paging import Pager
 from normscope.engine.keys import named_key, named_metrics, parse_family
 
 __all__ = [
@@ -242,9 +243,10 @@ def note_worst(run: Any, head: str, worst: tuple[float, str] | None, step: int) 
 # ------------------------------------------------------------------------------ publisher
 class Publisher:
     """One monitor's publishing: every read to each :class:`Target` (``log_per_layer`` applied,
-    ``name`` in the keys), the rules evaluated on the canonical keys, what fired to the sinks
-    (rank zero), and the W&B extras. A target, rule or sink that raises is warned about once
-    (``warn_once(key, message)``) and left out from then on; the others go on.
+    ``name`` in the keys), the rules evaluated on the canonical keys, what fired sorted by the
+    ``pager`` (:class:`~normscope.alerts.paging.Pager`: one event, one page) and its pages sent
+    to the sinks (rank zero), and the W&B extras. A target, rule or sink that raises is warned
+    about once (``warn_once(key, message)``) and left out from then on; the others go on.
 
     Example::
 
@@ -266,8 +268,10 @@ class Publisher:
         sinks: list[Any],
         targets: list[Target],
         warn_once: Callable[[str, str], None],
+        pager: Pager | None = None,
     ) -> None:
         self.label = label
+        self.pager = pager if pager is not None else Pager()
         self.name = name
         self.log_per_layer = log_per_layer
         self.sinks = sinks
@@ -282,8 +286,9 @@ class Publisher:
     def publish(
         self, metrics: dict[str, float], step: int, rules: Sequence[Any], keep_last: int
     ) -> tuple[list[Any], dict[str, float]]:
-        """Log a read to every target, evaluate ``rules``, deliver what fired to the sinks
-        (rank zero). Returns ``(fired, named)``: the alerts, and every key under this monitor's
+        """Log a read to every target, evaluate ``rules``, page what the pager pages (rank
+        zero). Returns ``(fired, named)``: every alert (paged or counted), and every key under
+        this monitor's
         name (a key an earlier read published and this one lacks is NaN, never stale: a
         Trainer's ``callback_metrics`` keep every key for EarlyStopping and ModelCheckpoint)."""
         self.history.append((step, {k: v for k, v in metrics.items() if k.count("/") == 1}))
@@ -292,13 +297,21 @@ class Publisher:
         for key in self._published - named.keys():
             named[key] = math.nan
         self._published |= named.keys()
-        fired = [self.own_alert(a) for a in self._evaluate(rules, metrics, step)]
+        fired = self.pager.sort([self.own_alert(a) for a in self._evaluate(rules, metrics, step)])
         self.alerts_fired.extend(fired)
         for items in (self.alerts_fired, self.history):
             del items[: max(0, len(items) - keep_last)]
-        if rank_zero() and fired:
-            self._page(fired)
+        if rank_zero():
+            self.count_line(self.pager.closed)
+            pages = [a for a in fired if getattr(a, "paged", True) is not False]
+            if pages:
+                self._page(pages)
         return fired, named
+
+    def count_line(self, line: str | None) -> None:
+        """Log the pager's count line of an event that ended (when there are sinks to page)."""
+        if line and self.sinks:
+            logger.warning(line)
 
     def _log(self, logged: dict[str, float], step: int) -> None:
         for target in self.targets:
