@@ -24,6 +24,7 @@ __all__ = [
     "fmt",
     "fmt_bytes",
     "is_rank_zero",
+    "read_share",
     "say",
     "setup_logger",
     "warn_disabled",
@@ -55,6 +56,16 @@ def is_rank_zero() -> bool:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return True
+
+
+def read_share() -> tuple[int, int]:
+    """``(rank, world)`` of this process under ``torch.distributed``; ``(0, 1)`` alone: the
+    share of a read's solves this process takes."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def setup_logger() -> None:

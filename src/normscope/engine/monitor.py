@@ -22,7 +22,7 @@ begins (:meth:`Monitor.begin`), a step ended with this many optimiser steps done
 (:meth:`Monitor.end`), training finished (:meth:`Monitor.finish`). A plain loop uses it
 directly::
 
-    monitor = Monitor.dead_direction(model, every_n_steps=50, log=wandb.log)
+    monitor = Monitor.of(DeadDirectionConfig(), model, every_n_steps=50, log=wandb.log)
     for x, y in loader:
         with monitor.step(x) as result:
             loss = model(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
@@ -48,10 +48,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from normscope._common import ConfigurationError, disabled_message, logger, setup_logger
+from normscope._common import (
+    ConfigurationError,
+    disabled_message,
+    logger,
+    read_share,
+    setup_logger,
+)
 from normscope.alerts import Alert, build_sinks
 from normscope.engine.worker import ReadWorker
-from normscope.families.dead_direction import DeadDirectionFamily, read_share
 from normscope.families.sign_magnitude_family import SignMagnitudeFamily
 
 __all__ = [
@@ -219,10 +224,11 @@ class Monitor:
         >>> import torch
         >>> from torch import nn
         >>> from normscope.engine import Monitor
+        >>> from normscope.families import DeadDirectionConfig
         >>> _ = torch.manual_seed(0)
         >>> model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
-        >>> monitor = Monitor.dead_direction(model, every_n_steps=2, residual=False,
-        ...                                  verbose=False, alerts=())
+        >>> monitor = Monitor.of(DeadDirectionConfig(residual=False), model, every_n_steps=2,
+        ...                      verbose=False, alerts=())
         >>> for _ in range(2):
         ...     with monitor.step() as result:
         ...         _ = model(torch.randn(64, 16))
@@ -335,29 +341,17 @@ class Monitor:
 
     # ------------------------------------------------------------------ plain loops
     @classmethod
-    def dead_direction(cls, model: nn.Module | None = None, **options: Any) -> Monitor:
-        """A dead-direction monitor: ``options`` are :class:`~normscope.DeadDirectionMonitor`'s
-        (the family's and the engine's) plus ``log=``."""
-        return cls._of(DeadDirectionFamily, model, options)
+    def of(cls, config: Any, model: nn.Module | None = None, **engine: Any) -> Monitor:
+        """A monitor of the family ``config`` describes (``config.build()``: a
+        :class:`~normscope.families.DeadDirectionConfig`, ...), ``engine`` the options of
+        :class:`Monitor` (``every_n_steps``, ``log``, ...)."""
+        return cls(config.build(), model=model, **engine)
 
     @classmethod
     def sign_magnitude(cls, model: nn.Module | None = None, **options: Any) -> Monitor:
         """A sign–magnitude monitor: ``options`` are :class:`~normscope.SignMagnitudeMonitor`'s
         plus ``log=``."""
         return cls._of(SignMagnitudeFamily, model, options)
-
-    @classmethod
-    def _of(cls, family_cls: type, model: nn.Module | None, options: dict[str, Any]) -> Monitor:
-        import inspect
-
-        own = set(inspect.signature(cls.__init__).parameters) - {"self", "family", "model"}
-        engine = {k: v for k, v in options.items() if k in own}
-        fam = {k: v for k, v in options.items() if k not in own}
-        try:
-            family = family_cls(**fam)
-        except TypeError as err:
-            raise ConfigurationError(f"{family_cls.kind}: {err}") from err
-        return cls(family, model=model, **engine)
 
     @contextlib.contextmanager
     def step(self, batch: Any = None) -> Iterator[StepResult]:

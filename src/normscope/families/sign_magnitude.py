@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from normscope._common import warn_disabled
-from normscope.families.dead_direction import key_path
+from normscope.families.checks import key_path
 from normscope.families.probes import ProbeReads
 from normscope.functional.moments import DiagonalMoment
 from normscope.functional.sign_magnitude import (

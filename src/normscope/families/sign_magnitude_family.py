@@ -18,7 +18,7 @@ from torch import nn
 
 from normscope._common import ConfigurationError
 from normscope.alerts import AlertRule, OutlierRule, SignChurnSpikeRule
-from normscope.families.dead_direction import check_layers
+from normscope.families.checks import check_layers
 from normscope.families.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
 from normscope.taps.hooks import call_model, compiled, eager_forwards
 
