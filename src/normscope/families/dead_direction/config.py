@@ -60,14 +60,12 @@ class DeadDirectionConfig:
         max_sources: sources tracked (the first seen).
         attention: modules whose largest pre-softmax logit is read: ``"auto"``, paths or None.
 
-    Every argument is described in docs/monitors.md. Raises
-    :class:`~normscope._common.ConfigurationError` naming the option.
+    Each is described in docs/monitors.md; a bad one raises ``ConfigurationError`` naming it.
 
     Example::
 
-        >>> config = DeadDirectionConfig(rows_per_read=1024, residual=False)
-        >>> config.rows_per_read_at(128), DeadDirectionConfig().rows_per_read_at(128)
-        (1024, 1024)
+        >>> DeadDirectionConfig(rows_per_read=1024).rows_per_read_at(128)
+        1024
         >>> DeadDirectionConfig(rows_per_read=0)
         Traceback (most recent call last):
         ...
