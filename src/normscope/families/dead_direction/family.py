@@ -100,7 +100,7 @@ class DeadDirectionFamily:
         """Find the norm layers of ``model`` (no hook yet)."""
         try:
             self.tracker = DeadDirectionTracker(self.config, model)
-        except ValueError as err:  # NormDiscoveryError, an unknown attention module
+        except (TypeError, ValueError) as err:  # NormDiscoveryError, an unknown attention module
             raise ConfigurationError(f"{self.kind}: {err}") from err
         self.tracker.source_rule = self.sigma_rule
         self._restore()  # a resumed run's stream baselines, before the first batch sets any
