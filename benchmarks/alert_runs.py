@@ -19,7 +19,7 @@ if str(ROOT) not in sys.path:
 from examples.data import ByteDataset  # noqa: E402
 from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
-from normscope import Monitor  # noqa: E402
+from normscope import DeadDirectionConfig, Monitor  # noqa: E402
 
 
 @dataclass
@@ -65,16 +65,13 @@ def run_batches(data: torch.Tensor, run: Run, seed: int):
 
 def _monitor(model, every: int, rows: int | None, per_dim: float, width: int, layers: int):
     points = 2 * layers + 1
-    monitor = Monitor.dead_direction(
-        model,
-        every_n_steps=every,
+    config = DeadDirectionConfig(
         rows_per_read=rows,  # None: the monitor's default, 8 d per read
         kernel_residual_alert=None,
-        alerts=(),
-        verbose=False,
-        overhead_warn=None,
         max_memory=points * 8 * width * width,  # the profile, nothing else
     )
+    monitor = Monitor.of(config, model, every_n_steps=every, alerts=(), verbose=False,
+                         overhead_warn=None)  # fmt: skip
     monitor.family.sigma_rule.min_rows_per_dim = (
         per_dim  # the window stays open until N/d >= per_dim
     )

@@ -29,7 +29,7 @@ from examples.nanogpt import GPT, GPTConfig  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, machine_line  # noqa: E402
 
-from normscope import DeadDirectionTracker  # noqa: E402
+from normscope import DeadDirectionConfig, DeadDirectionTracker  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     d = args.width
     model = GPT(GPTConfig(n_embd=d, n_layer=args.layers, n_head=max(1, d // 64)))
     x = torch.randint(0, 256, (args.rows // 64, 64))
-    tracker = DeadDirectionTracker(model)
+    tracker = DeadDirectionTracker(DeadDirectionConfig(), model)
     with torch.no_grad():
         tracker.attach(forward=lambda: model(x))
         taps = list(tracker.taps.taps.values())

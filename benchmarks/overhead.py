@@ -11,7 +11,7 @@ neighbour's load as monitor overhead or hid it). Each step is timed on its own (
 CUDA the device is synchronised at both ends). Configurations, per width:
 
 * ``none``: no monitor;
-* ``dd every=N``: ``Monitor.dead_direction(model, every_n_steps=N)`` with its defaults
+* ``dd every=N``: ``Monitor.of(DeadDirectionConfig(), model, every_n_steps=N)``, defaults
   (``rows_per_read=None``: ``8 d`` rows per read), synchronous reads, no logger;
 * ``wandb.watch every=N``: ``wandb.watch(model, log="all", log_freq=N)``, the monitoring users
   already run.
@@ -72,7 +72,7 @@ from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, machine_line, markdown_table, write_outputs  # noqa: E402
 
-from normscope import Monitor  # noqa: E402
+from normscope import DeadDirectionConfig, Monitor  # noqa: E402
 
 
 class StepTimer(L.Callback):
@@ -275,9 +275,10 @@ def interleaved(
         c = Copy(name, kind, every, model, make_optimizer(model, 1e-3, 0.1), _batches(
             batch_size, device, max_bytes))  # fmt: skip
         if kind == "dd":
-            c.monitor = Monitor.dead_direction(
-                model, every_n_steps=every, alerts=(), verbose=False, overhead_warn=None
-            )
+            c.monitor = Monitor.of(
+                DeadDirectionConfig(), model, every_n_steps=every, alerts=(), verbose=False,
+                overhead_warn=None,
+            )  # fmt: skip
         elif kind == "watch":
             wandb.watch(model, log="all", log_freq=every, idx=len(copies))
         copies.append(c)

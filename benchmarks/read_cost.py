@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from _common import machine, machine_line, markdown_table, median_time, write_outputs  # noqa: E402
 from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
-from normscope.families.dead_direction import DeadDirectionTracker  # noqa: E402
+from normscope.families.dead_direction import DeadDirectionConfig, DeadDirectionTracker  # noqa: E402
 from normscope.functional import (  # noqa: E402
     input_reads,
     kernel_read,
@@ -165,7 +165,7 @@ def model_read_cost(
     opt = make_optimizer(model, 1e-4, 0.01)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tracker = DeadDirectionTracker(model, rows_per_read=4096)
+        tracker = DeadDirectionTracker(DeadDirectionConfig(rows_per_read=4096), model)
     tracker.attach(forward=lambda: model(x[:2]))
 
     def step() -> None:

@@ -16,7 +16,7 @@ import torch
 
 from examples.data import make_dataloaders
 from examples.nanogpt import GPT, GPTConfig
-from normscope import Monitor
+from normscope import DeadDirectionConfig, Monitor
 
 
 def main(argv: list[str] | None = None) -> list:
@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> list:
     def log(metrics: dict, step: int) -> None:  # or wandb.log
         print(f"step {step}: sigma_min_ratio_min {metrics['dd/sigma_min_ratio_min']:.3f}")
 
-    monitor = Monitor.dead_direction(model, every_n_steps=args.every, log=log)  # normscope
+    monitor = Monitor.of(
+        DeadDirectionConfig(), model, every_n_steps=args.every, log=log
+    )  # normscope
 
     alerts = []
     for it, (x, y) in zip(range(args.steps), train):

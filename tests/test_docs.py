@@ -16,7 +16,12 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from examples import sources
-from normscope import DeadDirectionMonitor, DeadDirectionTracker, SignMagnitudeMonitor
+from normscope import (
+    DeadDirectionConfig,
+    DeadDirectionMonitor,
+    DeadDirectionTracker,
+    SignMagnitudeMonitor,
+)
 from normscope.cli.options import report_arguments, scan_arguments
 from normscope.families.sign_magnitude import SignMagnitudeTracker
 from tests.callbacks.tiny_models import LitTiny
@@ -138,6 +143,7 @@ def test_every_argument_and_option_is_documented():
     missing = []
     for cls, pages in (
         (DeadDirectionMonitor, ("monitors.md", "sources.md")),
+        (DeadDirectionConfig, ("monitors.md", "sources.md")),
         (SignMagnitudeMonitor, ("monitors.md",)),
         (DeadDirectionTracker, ("plain-pytorch.md", "monitors.md", "sources.md")),
         (SignMagnitudeTracker, ("plain-pytorch.md", "monitors.md")),

@@ -228,11 +228,11 @@ def test_prefix_is_dropped_from_normscope_keys_only():
 
 
 def test_plain_loop_wandb_log_is_read_at_its_steps(tmp_path, wandb_offline):
-    """A plain loop's ``Monitor.dead_direction(model, log=wandb.log)`` (the loop passes ``step=``, so
+    """A plain loop's ``Monitor.of(config, model, log=wandb.log)`` (the loop passes ``step=``, so
     W&B's ``_step`` is the loop's step): the reads come back at the steps they were logged at."""
     import wandb
 
-    from normscope import Monitor
+    from normscope import DeadDirectionConfig, Monitor
     from tests.integrations import loops
 
     run = wandb.init(project="normscope-test", dir=str(tmp_path))
@@ -245,9 +245,9 @@ def test_plain_loop_wandb_log_is_read_at_its_steps(tmp_path, wandb_offline):
         read_at.append(step)
         wandb.log(metrics, step=step)
 
-    monitor = Monitor.dead_direction(
-        model, rows_per_read="all", log=log, every_n_steps=2, alerts=(), overhead_warn=None,
-        verbose=False,
+    monitor = Monitor.of(
+        DeadDirectionConfig(rows_per_read="all"), model, log=log, every_n_steps=2, alerts=(),
+        overhead_warn=None, verbose=False,
     )  # fmt: skip
     for _ in range(7):
         with monitor.step(batch):

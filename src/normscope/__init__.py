@@ -17,6 +17,7 @@ _LAZY = {
     "DeadDirectionMonitor": "normscope.adapters.lightning",
     "SignMagnitudeMonitor": "normscope.adapters.lightning",
     "Monitor": "normscope.engine",
+    "DeadDirectionConfig": "normscope.families",
     "DeadDirectionTracker": "normscope.families",
     "DeadDirectionReport": "normscope.families",
     "SignMagnitudeTracker": "normscope.families",

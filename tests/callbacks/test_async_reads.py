@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule
-from normscope.families import dead_direction as read_window
+from normscope.families.dead_direction import read as read_window
 from tests.callbacks.test_dead_direction_monitor import fit, read_csv, rows_with
 from tests.callbacks.tiny_models import LitTiny, TinyLM, token_loader
 
@@ -35,7 +35,7 @@ def _slow_worker(monkeypatch, seconds: float) -> None:
     """Solves that take ``seconds`` more: the reads are published steps after their own."""
     import time
 
-    from normscope.families import dead_direction as dead_direction_family
+    from normscope.families.dead_direction import family as dead_direction_family
 
     real = dead_direction_family.solve_window
 
@@ -144,7 +144,7 @@ def test_no_thread_is_left_behind_on_an_exception(tmp_path, monkeypatch, error):
 
 
 def test_a_failed_solve_warns_once_disables_and_the_fit_goes_on(tmp_path, monkeypatch):
-    def broken(tracker, window, job, out):
+    def broken(window, job, out):
         raise ValueError("no LAPACK today")
 
     monkeypatch.setattr(read_window, "_solve_job", broken)
@@ -163,11 +163,11 @@ def test_a_layer_that_fails_in_the_worker_is_disabled_alone(tmp_path, monkeypatc
     main thread at the publish), the others are read, as in a synchronous read."""
     real = read_window._solve_norm
 
-    def flaky(tracker, window, norm, out):
+    def flaky(window, norm, out):
         if norm.name == "model.h.0.ln_1":
             out.norm_failures[norm.name] = "RuntimeError: eigh did not converge"
             return
-        real(tracker, window, norm, out)
+        real(window, norm, out)
 
     monkeypatch.setattr(read_window, "_solve_norm", flaky)
     torch.manual_seed(0)
@@ -202,15 +202,17 @@ def test_the_default_is_off_in_plain_loops_and_reports_come_at_the_publish(tmp_p
     """A plain loop (the engine alone) and a Lightning ``Trainer`` on the CPU read
     synchronously by default; with ``async_reads=True`` a step's :class:`StepResult` carries the
     report published at it."""
-    from normscope import Monitor
+    from normscope import DeadDirectionConfig, Monitor
 
     torch.manual_seed(0)
     monitor, _, _ = _run(tmp_path, None, steps=4)
     assert monitor.engine._async is False  # CPU: measured, no gain
     model = TinyLM()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    assert Monitor.dead_direction(TinyLM(), verbose=False)._async_default is False
-    engine = Monitor.dead_direction(model, every_n_steps=2, async_reads=True, verbose=False)
+    assert Monitor.of(DeadDirectionConfig(), TinyLM(), verbose=False)._async_default is False
+    engine = Monitor.of(
+        DeadDirectionConfig(), model, every_n_steps=2, async_reads=True, verbose=False
+    )
     got = []
     for x, y in token_loader(n=128):
         with engine.step((x, y)) as result:

@@ -368,7 +368,7 @@ def test_a_training_forward_with_dropout_finds_the_eval_mode_points(arch):
 def test_plain_scan_and_tracker_reports_carry_profile_points():
     """``dd/profile_points`` comes with every report, not only the callback's: a scan of the
     tiny LM reads 5 points; a tracker without the profile says 0."""
-    from normscope import DeadDirectionTracker
+    from normscope import DeadDirectionConfig, DeadDirectionTracker
     from normscope.families.scan import scan_model
     from tests.callbacks.tiny_models import TinyLM
 
@@ -376,7 +376,7 @@ def test_plain_scan_and_tracker_reports_carry_profile_points():
     model = TinyLM()
     batches = [torch.randint(VOCAB, (8, 16)) for _ in range(2)]
     assert scan_model(model, batches).as_dict()["dd/profile_points"] == 5.0
-    tracker = DeadDirectionTracker(model, residual=False)
+    tracker = DeadDirectionTracker(DeadDirectionConfig(residual=False), model)
     tracker.attach()
     tracker.gate.open = True
     with torch.no_grad():

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from normscope import DeadDirectionConfig
 from normscope.adapters.transformers import DeadDirectionCallback
 from normscope.runs import read_run
 from tests.integrations import loops
@@ -40,8 +41,9 @@ def hf_run(tmp: Path, report_to: str) -> HFRun:
     (``"wandb"``, offline, or ``"tensorboard"``) under ``tmp`` (a W&B run goes where the
     process's first W&B run went: ``HFRun.folder`` says where)."""
     callback = DeadDirectionCallback(
-        every_n_steps=EVERY, rows_per_read="all", overhead_warn=None, alerts=("log",)
-    )
+        DeadDirectionConfig(rows_per_read="all"), every_n_steps=EVERY, overhead_warn=None,
+        alerts=("log",),
+    )  # fmt: skip
     args = transformers.TrainingArguments(
         output_dir=str(tmp / "hf"),
         max_steps=STEPS,

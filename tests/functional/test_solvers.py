@@ -251,7 +251,7 @@ def test_fallback_taken_and_counted(monkeypatch) -> None:
     ref = sigma_min_profile(["a", "b"], moments, [1024, 1024], [None, "block"], solver="dense")
     assert [p.sigma_min for p in prof.points] == [p.sigma_min for p in ref.points]
     # the monitor logs the read's count as one run-level key
-    from normscope.families.dead_direction import DeadDirectionReport
+    from normscope.families.dead_direction.report import DeadDirectionReport
 
     report = DeadDirectionReport(0, {}, prof, None, 0, sources={"web": prof})
     assert report.as_dict()["dd/solver_fallbacks"] == 4.0

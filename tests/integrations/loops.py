@@ -33,9 +33,18 @@ EVERY = 2
 # step 0's training forward, so its baseline window is step 1)
 READ_STEPS = {"dd": [2, 4], "sm": [1, 2, 4]}
 CANCEL_LAYER, CANCEL_STRENGTH = 1, 0.95
-MONITOR_ARGS: dict[str, Any] = dict(
-    every_n_steps=EVERY, rows_per_read="all", alerts=(), overhead_warn=None, verbose=False
+#: the engine's options in every loop; MONITOR_ARGS: the Lightning monitors' flat arguments
+ENGINE_ARGS: dict[str, Any] = dict(
+    every_n_steps=EVERY, alerts=(), overhead_warn=None, verbose=False
 )
+MONITOR_ARGS: dict[str, Any] = dict(ENGINE_ARGS, rows_per_read="all")
+
+
+def dd_config() -> Any:
+    """The dead-direction options of every loop (every row read)."""
+    from normscope import DeadDirectionConfig
+
+    return DeadDirectionConfig(rows_per_read="all")
 
 
 def gpt2(seed: int = 0, cancel: bool = True) -> transformers.GPT2LMHeadModel:
@@ -175,7 +184,7 @@ def run_plain(family: str = "dd") -> tuple[dict[int, dict[str, float]], list[Any
     reads: dict[int, dict[str, float]] = {}
     log = lambda m, step: reads.__setitem__(step, family_only(m, family))  # noqa: E731
     if family == "dd":
-        monitor = Monitor.dead_direction(model, log=log, **monitor_args(family))
+        monitor = Monitor.of(dd_config(), model, log=log, **ENGINE_ARGS)
     else:
         monitor = Monitor.of(SignMagnitudeConfig(), model, log=log, **monitor_args(family))
     alerts: list[Any] = []
@@ -233,8 +242,10 @@ def run_hf(
     """A real ``transformers.Trainer`` (plain SGD, constant learning rate, no clipping)."""
     from normscope.adapters.transformers import DeadDirectionCallback, SignMagnitudeCallback
 
-    cls = DeadDirectionCallback if family == "dd" else SignMagnitudeCallback
-    callback = cls(**{**monitor_args(family), **extra})
+    if family == "dd":
+        callback = DeadDirectionCallback(dd_config(), **ENGINE_ARGS, **extra)
+    else:
+        callback = SignMagnitudeCallback(**{**monitor_args(family), **extra})
     args = transformers.TrainingArguments(
         output_dir=str(tmp / "hf"),
         max_steps=STEPS,

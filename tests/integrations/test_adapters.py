@@ -72,7 +72,7 @@ def _hf_run(tmp, max_steps: int, resume: str | None = None, save_steps: int = 40
     )
     torch.manual_seed(0)
     model = transformers.GPTNeoXForCausalLM(config)
-    callback = DeadDirectionCallback(**loops.MONITOR_ARGS | {"every_n_steps": 20})
+    callback = DeadDirectionCallback(loops.dd_config(), **loops.ENGINE_ARGS | {"every_n_steps": 20})
     args = transformers.TrainingArguments(
         output_dir=str(tmp),
         max_steps=max_steps,

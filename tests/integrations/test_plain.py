@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from normscope import ConfigurationError, Monitor
+from normscope import ConfigurationError, DeadDirectionConfig, Monitor
 from tests.integrations import loops
 
 
@@ -19,7 +19,9 @@ def _step(model, optimizer, batch):
 def test_stop_on_alert_reaches_the_loop():
     model = loops.gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = Monitor.dead_direction(model, every_n_steps=2, stop_on_alert=True, alerts=())
+    monitor = Monitor.of(
+        DeadDirectionConfig(), model, every_n_steps=2, stop_on_alert=True, alerts=()
+    )
     batch = next(iter(loops.loader()))
     with monitor.step(batch) as first:
         _step(model, optimizer, batch)  # residual discovery watches this step's forward
@@ -33,7 +35,7 @@ def test_stop_on_alert_reaches_the_loop():
 def test_a_failing_read_disables_the_monitor_not_the_loop(monkeypatch):
     model = loops.gpt2(cancel=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    watch = Monitor.dead_direction(model, every_n_steps=1, verbose=False, alerts=())
+    watch = Monitor.of(DeadDirectionConfig(), model, every_n_steps=1, verbose=False, alerts=())
     batch = next(iter(loops.loader()))
     with watch.step(batch) as discovery:  # residual discovery watches this forward
         _step(model, optimizer, batch)
@@ -69,14 +71,16 @@ def ours(model) -> int:
 def test_misuse_is_a_clear_error():
     model = loops.gpt2(cancel=False)
     with pytest.raises(RuntimeError, match="needs a model"):
-        with Monitor.dead_direction(verbose=False).step():
+        with Monitor.of(DeadDirectionConfig(), verbose=False).step():
             pass
     with pytest.raises(ConfigurationError, match="every_n_steps"):
-        Monitor.dead_direction(model, every_n_steps=0)
-    with pytest.raises(ConfigurationError, match="no_such_option"):
-        Monitor.dead_direction(model, no_such_option=1)
+        Monitor.of(DeadDirectionConfig(), model, every_n_steps=0)
+    with pytest.raises(TypeError, match="no_such_option"):
+        Monitor.of(DeadDirectionConfig(), model, no_such_option=1)
+    with pytest.raises(TypeError, match="no_such_option"):
+        DeadDirectionConfig(no_such_option=1)
     with pytest.raises(TypeError, match="callable or a logger"):
-        Monitor.dead_direction(model, log=42)
+        Monitor.of(DeadDirectionConfig(), model, log=42)
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -102,7 +106,7 @@ def test_watch_fabric_helper_logs_the_plain_loops_reads(tmp_path):
     model = loops.gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=loops.LR)
     model, optimizer = fabric.setup(model, optimizer)
-    watch = watch_fabric(fabric, model, **loops.MONITOR_ARGS)
+    watch = watch_fabric(fabric, model, config=loops.dd_config(), **loops.ENGINE_ARGS)
     batch = next(iter(loops.loader()))
     for _ in range(loops.STEPS):
         with watch.step(batch):

@@ -122,15 +122,21 @@ def test_log_per_layer_on_32_layers():
     run-level keys alone; bad values are refused."""
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    from normscope import Monitor
+    from normscope import DeadDirectionConfig, Monitor
     from normscope.engine.publish import select_layers
     from tests.callbacks.tiny_models import TinyLM
 
     torch.manual_seed(0)
     model = TinyLM(d=8, layers=32, heads=2)
     logged = {}
-    monitor = Monitor.dead_direction(
-        model, every_n_steps=1, log_per_layer=3, log=logged.update, alerts=(), verbose=False
+    monitor = Monitor.of(
+        DeadDirectionConfig(),
+        model,
+        every_n_steps=1,
+        log_per_layer=3,
+        log=logged.update,
+        alerts=(),
+        verbose=False,
     )
     x = torch.randint(0, 32, (4, 12))
     for _ in range(2):  # step 0's forward is residual discovery's; step 1 is read
@@ -159,11 +165,11 @@ def test_log_per_layer_on_32_layers():
 
 
 def test_plain_loop_with_wandb_log_summarises_the_minimum(tmp_path, monkeypatch):
-    """``Monitor.dead_direction(model, log=wandb.log)``: the run-level keys are declared on the active run,
+    """``Monitor.of(DeadDirectionConfig(), model, log=wandb.log)``: the run-level keys are declared on the active run,
     so its summary of ``dd/sigma_min_ratio_min`` is the minimum over the reads, not the last."""
     import wandb
 
-    from normscope import Monitor
+    from normscope import DeadDirectionConfig, Monitor
     from tests.callbacks.tiny_models import TinyLM
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -173,7 +179,7 @@ def test_plain_loop_with_wandb_log_summarises_the_minimum(tmp_path, monkeypatch)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randint(0, 32, (8, 16))
     run = wandb.init(project="normscope-test", dir=str(tmp_path))
-    monitor = Monitor.dead_direction(model, every_n_steps=1, log=wandb.log, alerts=())
+    monitor = Monitor.of(DeadDirectionConfig(), model, every_n_steps=1, log=wandb.log, alerts=())
     ratios = []
     for step in range(5):
         if step == 2:

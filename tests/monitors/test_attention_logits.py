@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from normscope import DeadDirectionMonitor, DeadDirectionTracker
+from normscope import DeadDirectionConfig, DeadDirectionMonitor, DeadDirectionTracker
 from normscope.alerts import AttentionLogitRule
 from tests.callbacks.tiny_models import LitTiny, TinyLM, cpu_trainer, token_loader
 from tests.monitors.test_stream_reads import MemoryLogger
@@ -150,7 +150,7 @@ def test_no_attention_module_logs_the_count_zero_and_nothing_else():
     torch.manual_seed(0)
     model = TinyLM()
     x = torch.randint(0, 32, (4, 16))
-    tracker = DeadDirectionTracker(model, attention=[])
+    tracker = DeadDirectionTracker(DeadDirectionConfig(attention=[]), model)
     tracker.attach(forward=lambda: model(x))
     with tracker.gate.sampling():
         model(x)
@@ -164,7 +164,7 @@ def test_a_read_that_keeps_its_window_keeps_the_logits_too():
     torch.manual_seed(0)
     model = TinyLM()
     x = torch.randint(0, 32, (4, 16))
-    tracker = DeadDirectionTracker(model)
+    tracker = DeadDirectionTracker(DeadDirectionConfig(), model)
     tracker.attach(forward=lambda: model(x))
     with tracker.gate.sampling():
         model(x)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from normscope.families.dead_direction import point_sigma, profile_from_parts
+from normscope.families.dead_direction.solve import point_sigma, profile_from_parts
 from normscope.functional.profile import sigma_min_profile
 
 

@@ -36,7 +36,7 @@ import collections
 import torch
 from examples.nanogpt import GPT, GPTConfig
 
-from normscope import DeadDirectionTracker
+from normscope import DeadDirectionConfig, DeadDirectionTracker
 
 torch.set_num_threads(1)
 
@@ -49,7 +49,7 @@ def read_ops() -> tuple[collections.Counter, int, int]:
     torch.manual_seed(0)
     model = GPT(GPTConfig())
     x = torch.randint(0, 256, (32, 64))
-    tracker = DeadDirectionTracker(model)
+    tracker = DeadDirectionTracker(DeadDirectionConfig(), model)
     with torch.no_grad():
         tracker.attach(forward=lambda: model(x))
         for _ in range(2):  # the first read sets the baselines; count the second

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from normscope import ConfigurationError, DeadDirectionTracker, Monitor
-from normscope.families.dead_direction import rows_budget
+from normscope import ConfigurationError, DeadDirectionConfig, DeadDirectionTracker, Monitor
 from tests.callbacks.tiny_models import TinyLM
 
 torch.set_num_threads(1)
@@ -19,7 +18,7 @@ def tracker_after(forwards: int, share: int = 1, **kw) -> DeadDirectionTracker:
     torch.manual_seed(0)
     model = TinyLM(d=D)
     x = torch.randint(0, 32, (8, 32))  # 256 rows a forward, over 8 d = 128
-    tracker = DeadDirectionTracker(model, **kw)
+    tracker = DeadDirectionTracker(DeadDirectionConfig(**kw), model)
     tracker.attach(forward=lambda: model(x))
     tracker.share_rows(share)
     for _ in range(forwards):
@@ -33,7 +32,7 @@ def counts(tracker: DeadDirectionTracker) -> set[int]:
 
 
 def test_the_default_budget_is_8d_per_read_and_shared_by_the_forwards():
-    assert rows_budget(None, D) == 8 * D == 128
+    assert DeadDirectionConfig().rows_per_read_at(D) == 8 * D == 128
     assert counts(tracker_after(1)) == {128}  # 256 rows seen, 8 d folded at every tap
     assert counts(tracker_after(2, share=2)) == {128}  # 64 + 64: two micro-batches share it
     assert counts(tracker_after(3, share=2)) == {192}  # a third forward (deferral) adds its share
@@ -46,10 +45,8 @@ def test_the_default_budget_is_8d_per_read_and_shared_by_the_forwards():
 
 @pytest.mark.parametrize("bad", [0, -1, "8d", 1.5, True])
 def test_a_bad_budget_is_refused(bad):
-    with pytest.raises(ValueError, match="rows_per_read"):
-        DeadDirectionTracker(TinyLM(d=D), rows_per_read=bad)
-    with pytest.raises(ConfigurationError, match="rows_per_read"):
-        Monitor.dead_direction(TinyLM(d=D), rows_per_read=bad)
+    with pytest.raises(ConfigurationError, match="DeadDirectionMonitor: rows_per_read"):
+        DeadDirectionConfig(rows_per_read=bad)  # checked once, where every path builds it
 
 
 def test_gradient_accumulation_shares_the_budget_in_a_plain_loop():
@@ -58,8 +55,8 @@ def test_gradient_accumulation_shares_the_budget_in_a_plain_loop():
     torch.manual_seed(0)
     model = TinyLM(d=D)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    monitor = Monitor.dead_direction(
-        model, every_n_steps=2, alerts=(), verbose=False, overhead_warn=None
+    monitor = Monitor.of(
+        DeadDirectionConfig(), model, every_n_steps=2, alerts=(), verbose=False, overhead_warn=None
     )
     rows = []
     for step in range(6):
@@ -81,7 +78,9 @@ def test_gradient_accumulation_shares_the_budget_in_a_plain_loop():
 
 def test_with_sources_the_budget_is_the_pooled_one():
     """``sources=`` changes no pooled read, so not the budget either: 8 d, shared alike."""
-    tracker = DeadDirectionTracker(TinyLM(d=D), sources="source", max_sources=3)
+    tracker = DeadDirectionTracker(
+        DeadDirectionConfig(sources="source", max_sources=3), TinyLM(d=D)
+    )
     assert tracker.rows_per_forward(D) == 8 * D
     tracker.share_rows(2)
     assert tracker.rows_per_forward(D) == 4 * D
@@ -95,7 +94,7 @@ def test_the_budget_goes_to_real_rows_before_padding():
     x = torch.randint(0, 32, (16, 32))
     mask = torch.zeros(16, 32, dtype=torch.long)
     mask[:, :8] = 1  # 128 real rows
-    tracker = DeadDirectionTracker(model)
+    tracker = DeadDirectionTracker(DeadDirectionConfig(), model)
     tracker.attach(forward=lambda: model(x))
     with tracker.gate.sampling(mask=mask):
         model(x)

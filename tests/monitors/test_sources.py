@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from examples import sources as example
-from normscope import DeadDirectionTracker, Monitor, scan_model
+from normscope import DeadDirectionConfig, DeadDirectionTracker, Monitor, scan_model
 from normscope.alerts import (
     SigmaMinRatioRule,
     SourceCollapseRule,
@@ -48,7 +48,7 @@ def model(cancel: str | None):
 
 
 def run_tracker(m, batches, **kw):
-    tracker = DeadDirectionTracker(m, rows_per_read="all", **kw)
+    tracker = DeadDirectionTracker(DeadDirectionConfig(rows_per_read="all", **kw), m)
     tracker.attach(forward=lambda: call_model(m, batches[0]))
     with torch.no_grad():
         for b in batches:
@@ -203,13 +203,13 @@ def test_state_dict_round_trip_and_bad_labels_fail_open():
     batches = mixture_batches(n=64)
     m = model("source")
     a = run_tracker(m, batches, sources="source")
-    b = DeadDirectionTracker(m, rows_per_read="all", sources="source")
+    b = DeadDirectionTracker(DeadDirectionConfig(rows_per_read="all", sources="source"), m)
     b.attach(forward=lambda: call_model(m, batches[0]))
     b.load_state_dict(a.state_dict())
     assert a.read(reduce=False).as_dict() == pytest.approx(
         b.read(reduce=False).as_dict(), nan_ok=True
     )
-    c = DeadDirectionTracker(m, sources="missing_field")
+    c = DeadDirectionTracker(DeadDirectionConfig(sources="missing_field"), m)
     c.attach(forward=lambda: call_model(m, batches[0]))
     with pytest.warns(RuntimeWarning, match="per-source reads are off"):
         assert c.label(batches[0]) is None
@@ -246,9 +246,9 @@ def test_plain_loop_step_with_sources():
     reports = []
     # every row: at the default budget (8 d rows a read, pooled) the minority source holds
     # under 4 d of its own and its profile decides nothing (docs/sources.md)
-    monitor = Monitor.dead_direction(
-        m, sources="source", every_n_steps=4, log=logged.append, alerts=(), verbose=False,
-        rows_per_read="all",
+    monitor = Monitor.of(
+        DeadDirectionConfig(sources="source", rows_per_read="all"), m,
+        every_n_steps=4, log=logged.append, alerts=(), verbose=False,
     )  # fmt: skip
     for step, batch in enumerate(mixture_batches(n=256) * 2):
         if step == 5:
@@ -272,7 +272,7 @@ def test_plain_loop_step_with_sources():
 
 
 def test_read_line_names_the_sources_and_the_class():
-    from normscope.families.dead_direction import format_read_line
+    from normscope.families.dead_direction.render import format_read_line
 
     r = scan_model(model("source"), mixture_batches(), sources="source")
     line = format_read_line(r)

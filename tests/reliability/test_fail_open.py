@@ -16,7 +16,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
-from normscope.families.dead_direction import format_read_line
+from normscope.families.dead_direction import read as read_path
+from normscope.families.dead_direction.render import format_read_line
 from normscope.families.sign_magnitude import SignMagnitudeConfig, SignMagnitudeTracker
 from tests.reliability.models import (
     DDFailingCSVLogger,
@@ -127,21 +128,18 @@ def test_failing_logger_is_skipped_for_normscope_metrics_only(tmp_path, family):
     assert_run_intact(trainer, tmp_path, monitor)
 
 
-def test_failing_read_of_one_layer_disables_that_layer_only(tmp_path):
+def test_failing_read_of_one_layer_disables_that_layer_only(tmp_path, monkeypatch):
     torch.manual_seed(0)
     module = LitTiny()
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
-    trainer = L.Trainer(logger=False, accelerator="cpu")
-    monitor.setup(trainer, module, "fit")  # the tracker, to patch one of its reads
-    tracker = monitor.tracker
-    real_read_norm = tracker.read_norm
+    real_read_norm = read_path.read_norm
 
-    def read_norm(norm, *taps_and_gamma):
+    def read_norm(norm, *taps_gamma_and_options):
         if norm.name == "model.h.0.ln_2":
             raise FloatingPointError("injected failure in one layer's read")
-        return real_read_norm(norm, *taps_and_gamma)
+        return real_read_norm(norm, *taps_gamma_and_options)
 
-    tracker.read_norm = read_norm
+    monkeypatch.setattr(read_path, "read_norm", read_norm)
     with recorded_warnings() as records:
         trainer = fit(tmp_path, module, [monitor], steps=4)
     failures = normscope_failures(records)

@@ -13,7 +13,7 @@ import torch
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
-from normscope.families.dead_direction import DeadDirectionTracker
+from normscope.families.dead_direction import DeadDirectionConfig, DeadDirectionTracker
 from normscope.taps.hooks import TapSet
 from tests.reliability.models import (
     FreeLayerNorm,
@@ -61,7 +61,7 @@ def test_a_budget_under_every_accumulator_reads_nothing_and_says_so():
     torch.manual_seed(0)
     model = TinyLM()
     x = torch.randint(0, 32, (4, 16))
-    tracker = DeadDirectionTracker(model, max_memory=1)
+    tracker = DeadDirectionTracker(DeadDirectionConfig(max_memory=1), model)
     with recorded_warnings() as records:
         tracker.attach(forward=lambda: model(x))
     assert len(normscope_failures(records)) == 1
@@ -77,9 +77,9 @@ def test_a_budget_that_fits_changes_nothing():
     torch.manual_seed(0)
     model = TinyLM()
     x = torch.randint(0, 32, (4, 16))
-    full = DeadDirectionTracker(model)
+    full = DeadDirectionTracker(DeadDirectionConfig(), model)
     full.attach(forward=lambda: model(x))
-    tracker = DeadDirectionTracker(model, max_memory=full.memory_bytes())
+    tracker = DeadDirectionTracker(DeadDirectionConfig(max_memory=full.memory_bytes()), model)
     with recorded_warnings() as records:
         tracker.attach(forward=lambda: model(x))
     assert normscope_failures(records) == []
@@ -118,7 +118,7 @@ def test_two_thousand_reads_grow_nothing():
     torch.manual_seed(0)
     model = TinyLM(d=8, layers=1, heads=1).eval()
     x = torch.randint(0, 32, (2, 16))
-    tracker = DeadDirectionTracker(model)
+    tracker = DeadDirectionTracker(DeadDirectionConfig(), model)
     tracker.attach(forward=lambda: model(x))
 
     def census() -> tuple[int, int, int]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from normscope import DeadDirectionTracker
+from normscope import DeadDirectionConfig, DeadDirectionTracker
 from tests.scaleout.shards import EXACT_WINDOWS, shard_batches, source_batches
 
 HISTORY = "rms_growth"  # against the previous read: the reference reads only these windows
@@ -25,7 +25,9 @@ def single_process_reads(
     relative in these reads."""
     batches = source_batches if sources is not None else shard_batches
     module.train()
-    tracker = DeadDirectionTracker(module, rows_per_read="all", sources=sources)
+    tracker = DeadDirectionTracker(
+        DeadDirectionConfig(rows_per_read="all", sources=sources), module
+    )
     first = batches(0)[0]
     with torch.no_grad():
         tracker.attach(forward=lambda: module(first["input_ids"]))

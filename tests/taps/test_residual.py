@@ -414,7 +414,7 @@ def test_a_listed_subset_of_norms_reads_block_boundaries_and_says_so() -> None:
     norms alone, so five blocks are read at their boundaries (8 points, not 13), and the
     layout's last note says the other notes know only the listed norms; all 13 listed is the
     same layout as "auto", with no such note."""
-    from normscope.families import DeadDirectionTracker
+    from normscope.families import DeadDirectionConfig, DeadDirectionTracker
     from tests.callbacks.tiny_models import TinyLM
 
     torch.manual_seed(0)
@@ -423,7 +423,7 @@ def test_a_listed_subset_of_norms_reads_block_boundaries_and_says_so() -> None:
     every = [n for n, _ in model.named_modules() if n.endswith(("ln_1", "ln_2", "ln_f"))]
     layouts = {}
     for key, layers in (("auto", "auto"), ("two", ["h.0.ln_1", "h.5.ln_2"]), ("all", every)):
-        tracker = DeadDirectionTracker(model, layers=layers)
+        tracker = DeadDirectionTracker(DeadDirectionConfig(layers=layers), model)
         tracker.attach(forward=lambda: model(x))
         tracker.detach()
         tracker.attach()  # hooked again (a monitor kept for a second fit): the note once

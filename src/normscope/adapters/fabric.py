@@ -19,7 +19,7 @@ Two ways, one engine:
 2. **As an engine of your own** (:func:`watch_fabric`), when you would rather say when the
    step ends::
 
-       monitor = watch_fabric(fabric, model, every_n_steps=50)          # dead-direction reads
+       monitor = watch_fabric(fabric, model, every_n_steps=50)   # DeadDirectionConfig() reads
        with monitor.step(batch):
            loss = ...; fabric.backward(loss); optimizer.step(); optimizer.zero_grad()
        monitor.close()
@@ -40,6 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from normscope._common import ConfigurationError
 from normscope.engine import Monitor, StepResult, Target
+from normscope.families import DeadDirectionConfig
 
 __all__ = [
     "FabricLoop",
@@ -128,10 +129,18 @@ def tensor_parallel_size(strategy: Any) -> int:
         return size if isinstance(size, int) else 2
 
 
-def watch_fabric(fabric: Any, model: nn.Module, monitor: Monitor | None = None, **options: Any):
+def watch_fabric(
+    fabric: Any,
+    model: nn.Module,
+    monitor: Monitor | None = None,
+    *,
+    config: Any = None,
+    **engine: Any,
+) -> Monitor:
     """An engine :class:`~normscope.engine.Monitor` watching ``model`` (as ``fabric.setup``
     returned it, or the module itself), logging to ``fabric.loggers``: ``monitor`` as given, or
-    ``Monitor.dead_direction(**options)``.
+    ``Monitor.of(config, **engine)`` (``config`` a family's config, by default
+    ``DeadDirectionConfig()``; ``engine`` the :class:`~normscope.engine.Monitor` options).
 
     Raises:
         ConfigurationError: under Fabric's FSDP or DeepSpeed strategies; bad options.
@@ -140,18 +149,19 @@ def watch_fabric(fabric: Any, model: nn.Module, monitor: Monitor | None = None, 
 
         fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", loggers=CSVLogger("logs"))
         model, optimizer = fabric.setup(model, optimizer)
-        monitor = watch_fabric(fabric, model, every_n_steps=50)
+        monitor = watch_fabric(fabric, model, config=DeadDirectionConfig(), every_n_steps=50)
         for batch in loader:
             with monitor.step(batch) as result:
                 ...
         monitor.close()
     """
-    engine = monitor if monitor is not None else Monitor.dead_direction(**options)
-    check_fabric_strategy(fabric, engine.family.kind, fsdp2=engine.family.fsdp2)
-    engine.watch(
+    if monitor is None:
+        monitor = Monitor.of(config if config is not None else DeadDirectionConfig(), **engine)
+    check_fabric_strategy(fabric, monitor.family.kind, fsdp2=monitor.family.fsdp2)
+    monitor.watch(
         _unwrap(model), log=_targets(fabric), device=fabric.device, precision=_precision(fabric)
     )
-    return engine
+    return monitor
 
 
 class _OptimizerSteps:

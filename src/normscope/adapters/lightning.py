@@ -37,7 +37,7 @@ from normscope._common import ConfigurationError
 from normscope.adapters.fabric import FabricLoop, is_fabric, tensor_parallel_size
 from normscope.alerts import Alert, AlertRule
 from normscope.engine import Monitor, StepResult, Target
-from normscope.families import DeadDirectionFamily, SignMagnitudeConfig
+from normscope.families import DeadDirectionConfig, SignMagnitudeConfig
 
 __all__ = [
     "DeadDirectionMonitor",
@@ -281,92 +281,24 @@ class DeadDirectionMonitor(_LightningMonitor):
     r"""Log the dead-direction geometry of every norm layer and the residual stream's
     ``sigma_min`` depth profile while a model trains, and alert when the stream collapses.
 
-    Every ``every_n_steps`` optimiser steps (and once at the first step, the baseline: step 1,
-    since step 0's training forward is the one residual discovery watches), the
-    hooks fold the rows of that step's training forwards (all gradient-accumulation
-    micro-batches) into float64 accumulators; at the end of the step the monitor reduces them
-    across processes, runs the reads of docs/metrics.md §1 and logs them to every logger and to
-    ``trainer.callback_metrics`` under ``dd/<module path>/<metric>`` and ``dd/<metric>``.
-    Between sampled steps the hooks return at once. Sanity-check and validation forwards are
-    never sampled.
+    Every ``every_n_steps`` optimiser steps (and once at the first read step) the hooks fold
+    that step's training rows into float64 accumulators; at the step's end the monitor reduces
+    them across processes, runs the reads of docs/metrics.md §1 and logs them to every logger
+    and ``trainer.callback_metrics`` as ``dd/<module path>/<metric>`` and ``dd/<metric>``.
 
     Args:
-        every_n_steps: optimiser steps between reads (>= 1).
-        layers: ``"auto"`` (every norm layer) or a list of norm module paths (as
-            ``pl_module.named_modules()`` names them).
-        residual: track the residual stream's ``sigma_min`` profile. The stream is found from
-            the first training batch's own forward (``training_step``'s, whatever it calls;
-            docs/monitors.md, "Finding the residual stream"); that step is not read. When no
-            stream is found, one warning says why, and ``dd/profile_points`` reads 0;
-            ``residual=False`` silences it.
-        rows_per_read: rows each tapped tensor folds per read, a seeded uniform subsample:
-            ``None`` (default) ``8 d`` (``d`` its width), an int that many, ``"all"`` every row.
-            Counted across the gradient-accumulation micro-batches of the read's step and
-            across ranks (each folds its share), so a read folds about the budget in all.
-        alert_below: the ``sigma_min`` ratio floor of the theory (1.0).
-        tolerance: how far below ``alert_below`` a ratio's interval may lie before it counts
-            (default 0.4, with the sudden-drop floor 0.85 of
-            :class:`~normscope.alerts.SigmaMinRatioRule`; measured on the sweeps of
-            ``benchmarks/alert_roc.py``: docs/alerts.md).
-        patience: consecutive reads below the threshold before an alert.
-        warmup_reads: first reads that never alert.
-        kernel_residual_alert: alert when a LayerNorm layer's ``kernel_residual`` exceeds this
-            (``None`` disables that rule).
-        rules: extra :mod:`normscope.alerts` rules (objects with ``evaluate(metrics, step)``).
-        alerts: sinks: ``"log"``, ``"wandb"``, or callables ``fn(alert)``.
-        stop_on_alert: set ``trainer.should_stop`` when an alert fires (decided across ranks, so
-            all stop together).
-        null_tol: ``tau`` of ``null_dim``; raise it for half-precision norm forwards (e.g. 1e-4
-            under ``precision="bf16-true"``, where the kernel's floor is about 1e-6; a warning at
-            setup says so). ``bf16-mixed`` keeps LayerNorm in float32: the default holds.
-        max_memory: byte budget for the accumulators (``8 d^2`` per tapped tensor); over it, norm
-            layers are taken at a stride over depth (the final norm always kept) and a warning
-            says which were left out.
-        example_forward: ``fn(pl_module, batch)`` running one forward: residual discovery then
-            runs it separately (eager, no grad, eval mode) on the first batch, and step 0 is
-            read. A compiled model always gets such a forward; its default: a dict batch as
-            keyword arguments, a tuple batch by its first element.
-        verbose: print one line per read and a summary at the end of the fit (rank zero).
-        seed: seed of the row subsampling.
-        overhead_warn: warn once when a read costs more than this fraction of training time
-            at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
-            naming the cadence that would not; ``None``: never.
-        log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
-            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.engine.monitor`)
-            and every run-level key. Alert rules still see every layer.
-        sources: name each sampled row's source: ``fn(batch) -> str`` (the whole batch one
-            source), ``fn(batch) -> labels`` (a sequence or tensor, one per sample) or a batch
-            field name. Adds a profile per source (``dd.<source>/<point>/<metric>``), the
-            classification of each collapse (``dd/collapse_class``: 1 intrinsic, 2
-            distribution-dependent, 3 undetermined, 0 none) and a
-            :class:`~normscope.alerts.SourceCollapseRule`; the pooled keys are unchanged.
-        max_sources: sources tracked (``max_memory`` plans for this many).
-        name: tell this monitor from others in the same fit (several cadences, layer sets or
-            thresholds): every key it logs reads ``dd[name]/...`` (``dd[name].<source>/...``)
-            instead of ``dd/...``, so each gets its own W&B section; its alerts name it
-            (``DeadDirectionMonitor[name]: ...``). Rules still see the ``dd/`` keys. A
-            non-empty string without ``/``, brackets or whitespace.
-        async_reads: run each read's eigensolves on a background thread (a side CUDA stream on
-            a GPU) while training goes on; the read is published at the first optimiser step
-            end after it is ready (under DDP: the next one), logged under its own step, and
-            alerts and ``stop_on_alert`` act then. ``None``: on under a Lightning ``Trainer``
-            on a CUDA device; off on the CPU (no gain measured on a shared 2-core machine), in
-            plain loops, Fabric and the Hugging Face ``Trainer``, and under FSDP2
-            (docs/monitors.md, "Asynchronous reads"). The numbers are those of a synchronous
-            read, bit for bit.
-        attention: the attention modules whose largest pre-softmax logit is read on sampled
-            steps (``dd/<module>/max_logit``, ``dd/attn_logit_max``; docs/metrics.md §1.7) and
-            judged by :class:`~normscope.alerts.AttentionLogitRule`: ``"auto"`` (every innermost
-            module whose class name contains ``attn`` or ``attention``), a list of module
-            paths, or ``None``. The read sees ``scaled_dot_product_attention``, ``softmax`` and
-            ``multi_head_attention_forward`` calls inside those modules' forwards; compiled
-            forwards are not read (``dd/attn_modules_read`` 0).
+        every_n_steps, rules, alerts, stop_on_alert, verbose, overhead_warn, log_per_layer,
+            name, async_reads: the engine's (:class:`~normscope.engine.Monitor`).
+        layers, residual, rows_per_read, alert_below, tolerance, patience, warmup_reads,
+            kernel_residual_alert, null_tol, max_memory, example_forward, seed, sources,
+            max_sources, attention: the family's
+            (:class:`~normscope.families.DeadDirectionConfig`).
+
+    Each argument, its default and its figures: docs/monitors.md.
 
     Raises:
-        MisconfigurationException: bad arguments, or (at setup) no norm layer found / an unknown
-            layer name / a strategy it cannot read (FSDP1, DeepSpeed: the message says what is
-            supported). A module that overrides ``configure_model`` has its layers found at
-            ``on_fit_start`` instead, after Lightning has built and sharded them.
+        MisconfigurationException: a bad argument, or at setup no norm layer / an unknown layer
+            name / a strategy it cannot read (FSDP1, DeepSpeed).
 
     Example::
 
@@ -406,8 +338,8 @@ class DeadDirectionMonitor(_LightningMonitor):
         async_reads: bool | None = None,
         attention: str | Sequence[str] | None = "auto",
     ) -> None:
-        family = _config(
-            lambda: DeadDirectionFamily(
+        config = _config(
+            lambda: DeadDirectionConfig(
                 layers=layers,
                 residual=residual,
                 rows_per_read=rows_per_read,
@@ -427,7 +359,7 @@ class DeadDirectionMonitor(_LightningMonitor):
         )
         self.engine = _config(
             lambda: Monitor(
-                family,
+                config.build(),
                 every_n_steps=every_n_steps,
                 rules=rules,
                 alerts=alerts,

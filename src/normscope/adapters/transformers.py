@@ -7,9 +7,9 @@
     callback.bind(trainer)          # the reads go out through trainer.log
     trainer.train()
 
-Each callback takes the options of the Lightning monitor of the same family
-(:class:`~normscope.DeadDirectionMonitor`; :class:`SignMagnitudeCallback` its family's as a
-:class:`~normscope.families.SignMagnitudeConfig`) and drives its own
+Each callback takes its family's options as a config (:class:`DeadDirectionCallback`: a
+:class:`~normscope.families.DeadDirectionConfig`; :class:`SignMagnitudeCallback`: a
+:class:`~normscope.families.SignMagnitudeConfig`) and the engine's, and drives its own
 :class:`~normscope.engine.Monitor` (``callback.engine``). How the Trainer's loop maps onto it:
 
 * a step begins at the model's first training forward after ``on_step_begin`` (a forward
@@ -43,7 +43,7 @@ from transformers import TrainerCallback
 
 from normscope.engine import Monitor, Target
 from normscope.engine.keys import named_key
-from normscope.families import SignMagnitudeConfig
+from normscope.families import DeadDirectionConfig, SignMagnitudeConfig
 
 __all__ = ["DeadDirectionCallback", "SignMagnitudeCallback"]
 
@@ -68,7 +68,7 @@ def _precision(args: Any) -> str:
 
 
 class _NormscopeCallback(TrainerCallback):
-    _factory: Any  # Monitor.dead_direction / Monitor.of
+    _factory: Any  # Monitor.of
 
     def __init__(self, **monitor_kwargs: Any) -> None:
         monitor_kwargs.setdefault("verbose", False)
@@ -197,16 +197,18 @@ class _NormscopeCallback(TrainerCallback):
 
 
 class DeadDirectionCallback(_NormscopeCallback):
-    """:class:`~normscope.DeadDirectionMonitor` as a ``transformers.TrainerCallback``; takes the
-    monitor's arguments (``every_n_steps``, ``alerts``, ``stop_on_alert``, ``log_per_layer`` ...;
-    ``verbose`` defaults to False here).
+    """:class:`~normscope.DeadDirectionMonitor` as a ``transformers.TrainerCallback``: the
+    family's options as a :class:`~normscope.families.DeadDirectionConfig` (default
+    ``DeadDirectionConfig()``), then the engine's (``every_n_steps``, ``alerts``,
+    ``stop_on_alert``, ``log_per_layer`` ...; ``verbose`` defaults to False here).
 
     Example::
 
         from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+        from normscope import DeadDirectionConfig
         from normscope.adapters.transformers import DeadDirectionCallback
 
-        callback = DeadDirectionCallback(every_n_steps=50)
+        callback = DeadDirectionCallback(DeadDirectionConfig(rows_per_read=1024), every_n_steps=50)
         trainer = Trainer(GPT2LMHeadModel(GPT2Config(n_layer=4)), TrainingArguments("out"),
                           train_dataset=ds, callbacks=[callback])
         callback.bind(trainer)
@@ -215,7 +217,10 @@ class DeadDirectionCallback(_NormscopeCallback):
          if "dd/sigma_min_ratio_min" in row]
     """
 
-    _factory = Monitor.dead_direction
+    _factory = Monitor.of
+
+    def __init__(self, config: DeadDirectionConfig | None = None, **engine: Any) -> None:
+        super().__init__(config=config if config is not None else DeadDirectionConfig(), **engine)
 
 
 class SignMagnitudeCallback(_NormscopeCallback):

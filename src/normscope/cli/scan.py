@@ -29,7 +29,7 @@ from normscope.cli.errors import CLIError
 from normscope.cli.loading import load_model
 from normscope.cli.options import DEFAULT_TOKENS
 from normscope.cli.scan_result import scan_result, write_scan_outputs
-from normscope.families.dead_direction import DeadDirectionReport, rank_deficiency_note
+from normscope.families.dead_direction.report import DeadDirectionReport, rank_deficiency_note
 from normscope.families.scan import scan_model
 from normscope.taps.norms import NormDiscoveryError, find_norm_layers
 
@@ -150,7 +150,7 @@ def entry_rank_note(
 def premise_notes(report: DeadDirectionReport) -> list[str]:
     """What the scan says in words about reads whose premise is absent or partial: a post-norm
     model (``Delta_gamma`` and the Schur reads NaN, reason ``post_norm``; no sigma_min alert)
-    and inputs that do not span (:func:`~normscope.families.dead_direction.rank_deficiency_note`)."""
+    and inputs that do not span (:func:`~normscope.families.dead_direction.report.rank_deficiency_note`)."""
     notes = []
     if report.layout is not None and report.layout.style == "post-norm":
         notes.append(

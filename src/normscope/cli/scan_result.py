@@ -11,7 +11,7 @@ import normscope
 from normscope.alerts import Alert, default_dead_direction_rules
 from normscope.cli import plots, render, spectrum_plots
 from normscope.cli.loaded import LoadedModel
-from normscope.families.dead_direction import DeadDirectionReport
+from normscope.families.dead_direction.report import DeadDirectionReport
 
 __all__ = ["PLOTS", "default_alerts", "scan_result", "write_scan_outputs"]
 

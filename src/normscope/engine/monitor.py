@@ -7,7 +7,7 @@ state. Publishing (:mod:`~normscope.engine.publish`), the agreement of ranks
 parts. It imports no trainer: an adapter says when a step begins (:meth:`Monitor.begin`), ends
 (:meth:`Monitor.end`) and training finishes (:meth:`Monitor.finish`). A plain loop::
 
-    monitor = Monitor.dead_direction(model, every_n_steps=50, log=wandb.log)
+    monitor = Monitor.of(DeadDirectionConfig(), model, every_n_steps=50, log=wandb.log)
     for x, y in loader:
         with monitor.step(x) as result:
             loss = model(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
@@ -36,7 +36,6 @@ from normscope.engine.publish import Publisher, as_targets, check_log_per_layer
 from normscope.engine.ranks import RankAgreement
 from normscope.engine.state import load_rules_state, rules_state
 from normscope.engine.worker import InFlight
-from normscope.families.dead_direction import DeadDirectionFamily
 
 __all__ = ["Monitor"]
 
@@ -105,10 +104,11 @@ class Monitor:
         >>> import torch
         >>> from torch import nn
         >>> from normscope.engine import Monitor
+        >>> from normscope.families import DeadDirectionConfig
         >>> _ = torch.manual_seed(0)
         >>> model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
-        >>> monitor = Monitor.dead_direction(model, every_n_steps=2, residual=False,
-        ...                                  verbose=False, alerts=())
+        >>> monitor = Monitor.of(DeadDirectionConfig(residual=False), model, every_n_steps=2,
+        ...                      verbose=False, alerts=())
         >>> for _ in range(2):
         ...     with monitor.step() as result:
         ...         _ = model(torch.randn(64, 16))
@@ -205,29 +205,11 @@ class Monitor:
 
     # ------------------------------------------------------------------ plain loops
     @classmethod
-    def dead_direction(cls, model: nn.Module | None = None, **options: Any) -> Monitor:
-        """A dead-direction monitor: ``options`` are :class:`~normscope.DeadDirectionMonitor`'s
-        (the family's and the engine's) plus ``log=``."""
-        return cls._of(DeadDirectionFamily, model, options)
-
-    @classmethod
     def of(cls, config: Any, model: nn.Module | None = None, **engine: Any) -> Monitor:
-        """A monitor of the family ``config`` builds (``SignMagnitudeConfig(...)``), with the
-        engine's options ``engine`` (``every_n_steps=``, ``log=``, ...)."""
+        """A monitor of the family ``config`` describes (``config.build()``: a
+        :class:`~normscope.families.DeadDirectionConfig`, ...), ``engine`` the options of
+        :class:`Monitor` (``every_n_steps``, ``log``, ...)."""
         return cls(config.build(), model=model, **engine)
-
-    @classmethod
-    def _of(cls, family_cls: type, model: nn.Module | None, options: dict[str, Any]) -> Monitor:
-        import inspect
-
-        own = set(inspect.signature(cls.__init__).parameters) - {"self", "family", "model"}
-        engine = {k: v for k, v in options.items() if k in own}
-        fam = {k: v for k, v in options.items() if k not in own}
-        try:
-            family = family_cls(**fam)
-        except TypeError as err:
-            raise ConfigurationError(f"{family_cls.kind}: {err}") from err
-        return cls(family, model=model, **engine)
 
     @contextlib.contextmanager
     def step(self, batch: Any = None) -> Iterator[StepResult]:

@@ -1,7 +1,8 @@
 """A background worker for a read's eigensolves: one thread, at most one read in flight.
 
-The float64 eigensolves of a read (:func:`~normscope.families.dead_direction.solve_window`) need
-nothing but the window's frozen accumulators, so they can run while training goes on: CPU
+The float64 eigensolves of a read
+(:func:`~normscope.families.dead_direction.read.solve_window`) need nothing but the window's
+frozen accumulators, so they can run while training goes on: CPU
 LAPACK releases the GIL, and on a GPU they run on a side CUDA stream (after it waits for the
 stream that filled the accumulators; the handed tensors are ``record_stream``-ed so that the
 caching allocator does not reuse their memory under the side stream). No collective ever runs

@@ -1,7 +1,8 @@
 """The families: what each kind of monitoring taps and reads, independent of any loop.
 
-* :class:`DeadDirectionTracker` (and :class:`DeadDirectionFamily`, its schedule-side glue for the
-  engine): norm layers' kernels, ``Delta_gamma``, the residual ``sigma_min`` profile;
+* :mod:`~normscope.families.dead_direction`: :class:`DeadDirectionConfig` (its options),
+  :class:`DeadDirectionTracker` and :class:`DeadDirectionFamily` (its glue for the engine): norm
+  layers' kernels, ``Delta_gamma``, the residual ``sigma_min`` profile;
 * :class:`SignMagnitudeTracker` (:class:`SignMagnitudeFamily`, built from a
   :class:`SignMagnitudeConfig`): weight signs, outliers, probes;
 * :func:`scan_model`: the dead-direction reads on any model, post hoc.
@@ -11,6 +12,7 @@ The engine (:mod:`normscope.engine`) drives a family through a small protocol
 """
 
 from normscope.families.dead_direction import (
+    DeadDirectionConfig,
     DeadDirectionFamily,
     DeadDirectionReport,
     DeadDirectionTracker,
@@ -25,6 +27,7 @@ from normscope.families.sign_magnitude import (
 )
 
 __all__ = [
+    "DeadDirectionConfig",
     "DeadDirectionFamily",
     "DeadDirectionReport",
     "DeadDirectionTracker",

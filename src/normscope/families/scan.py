@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from normscope.families.dead_direction import DeadDirectionReport, DeadDirectionTracker
+from normscope.families.dead_direction.config import DeadDirectionConfig
+from normscope.families.dead_direction.report import DeadDirectionReport
+from normscope.families.dead_direction.tracker import DeadDirectionTracker
 from normscope.taps.hooks import batch_mask, call_model
 from normscope.taps.sources import resolve_labels
 
@@ -67,8 +69,7 @@ def scan_model(
     if sources is not None:
         labels = [resolve_labels(sources, b) for b in batches]  # a bad spec raises here
     names = {n for lab in labels if lab is not None for n in lab.names}
-    tracker = DeadDirectionTracker(
-        model,
+    config = DeadDirectionConfig(
         layers=layers,
         residual=residual,
         rows_per_read="all" if max_rows_per_batch is None else max_rows_per_batch,
@@ -77,6 +78,7 @@ def scan_model(
         sources=sources,
         max_sources=max(len(names), 1),
     )
+    tracker = DeadDirectionTracker(config, model)
     drop = (sources,) if isinstance(sources, str) else ()  # a label field is no model input
     try:
         tracker.attach(forward=lambda: call_model(model, batches[0], drop))
