@@ -17,7 +17,6 @@ parts. It imports no trainer: an adapter says when a step begins (:meth:`Monitor
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +29,7 @@ from normscope._common import ConfigurationError, logger, setup_logger
 from normscope._distributed import rank_zero, read_share, world_size
 from normscope.alerts import Alert, Pager, build_sinks, format_alerts
 from normscope.engine.cost import CostGuard
+from normscope.engine.failopen import fail_open
 from normscope.engine.family import Family, StepResult
 from normscope.engine.keys import check_name
 from normscope.engine.publish import Publisher, as_targets, check_log_per_layer
@@ -46,54 +46,23 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-# --------------------------------------------------------------------------- fail-open
-def _fail_open(phase: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A monitor must never crash or stall training: a failure in ``phase`` warns once,
-    disables the monitor (hooks removed) and training goes on; a disabled monitor only takes
-    part in what its peers still expect of it (:meth:`Monitor._keep_in_step`)."""
-
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def guarded(self: Monitor, *args: Any, **kwargs: Any) -> Any:
-            if self.disabled:
-                self._keep_in_step(phase, *args)
-                return self._result if phase == "end" else None
-            try:
-                return method(self, *args, **kwargs)
-            except ConfigurationError:
-                raise
-            except Exception as err:  # noqa: BLE001 - fail-open is the contract
-                self._disable(f"{method.__name__}: {type(err).__name__}: {err}")
-                self._keep_in_step(phase, *args)
-                return self._result if phase == "end" else None
-
-        return guarded
-
-    return wrap
-
-
 class Monitor:
     """One family's reads on a schedule, for any loop (see the module docstring).
 
     Args:
         family: what is read (:class:`~normscope.families.DeadDirectionFamily`, ...).
         every_n_steps: optimiser steps between reads (>= 1).
-        rules: extra :mod:`normscope.alerts` rules (``evaluate(metrics, step)``), after the
-            family's own.
+        rules: extra :mod:`normscope.alerts` rules, after the family's own.
         alerts: sinks: ``"log"``, ``"wandb"``, or callables ``fn(alert)``.
         paging: which alerts page the sinks (default ``Pager()``: per event the first alert
             and one follow-up; the rest counted, in ``alerts_fired`` and the summary).
         stop_on_alert: ask the loop to stop when an alert fires (decided across ranks).
-        log_per_layer: per-layer keys sent to the targets: ``"all"``, ``"none"``, or the ``k``
-            worst layers of each ranking (rules always see every key).
-        verbose: a line per read and a summary at :meth:`finish` (rank zero, logger
-            ``normscope``).
+        log_per_layer: ``"all"``, ``"none"``, or the ``k`` worst layers of each ranking.
+        verbose: a line per read and a summary at :meth:`finish` (rank zero).
         overhead_warn: warn once when a read costs more than this fraction of training time.
         name: tell this monitor from others in one run: keys ``dd[name]/...``.
-        async_reads: solve on a worker thread (families that support it); ``None``: what the
-            adapter says (on under a Lightning ``Trainer`` on CUDA, off elsewhere).
-        log: where reads go: a logger object, a callable (``wandb.log``), a
-            :class:`~normscope.engine.monitor.Target`, or a list of them.
+        async_reads: solve on a worker thread; ``None``: the adapter's default.
+        log: a logger, a callable (``wandb.log``), a :class:`~normscope.engine.Target`, or a list.
         model: watch this model at once (:meth:`watch`).
 
     Raises:
@@ -295,7 +264,7 @@ class Monitor:
             self.family.check_loop(precision)
             self.family.build(model)
 
-    @_fail_open("begin")
+    @fail_open("begin")
     def begin(self, step: int, batch: Any = None) -> None:
         """Before the forwards of an optimiser step (of each micro-batch): ``step`` optimiser
         steps are done. The first call registers the hooks (or arms residual discovery on this
@@ -327,7 +296,7 @@ class Monitor:
         """Close the gate (validation, a forward of the user's own)."""
         self.family.close()
 
-    @_fail_open("end")
+    @fail_open("end")
     def end(self, step: int) -> StepResult:
         """After a micro-batch: ``step`` optimiser steps are done now (the same number as at
         :meth:`begin`: mid gradient accumulation). Closes the window and reads when one is
@@ -367,7 +336,7 @@ class Monitor:
         result.should_stop = self.should_stop
         return result
 
-    @_fail_open("finish")
+    @fail_open("finish")
     def finish(self) -> StepResult:
         """The end of training: the read in flight published (never lost), the worker joined,
         the open event's count line, the summary (``verbose``: the family's, then every alert
