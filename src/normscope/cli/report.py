@@ -15,6 +15,9 @@ the residual points when the log has no ``dd/<point>/depth`` (``p_0`` is the poi
 and step are exactly 1 at every read; the rest in natural order of their module paths: ``h.2``
 before ``h.10``, numbered paths before un-numbered ones such as a final norm), and each norm's
 declared kind (from ``norm_class`` and ``kind_mismatch``).
+
+A run that logged the sign–magnitude family only (``sm/...``) gets its reads' table and the
+alerts it logged instead (:mod:`normscope.cli.sm_report`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from normscope._common import fmt
-from normscope.cli import norm_plots, render, run_plots
+from normscope.cli import norm_plots, render, run_plots, sm_report
 from normscope.cli.errors import CLIError
 from normscope.cli.figures import KERNEL_ALERT, KERNEL_ALERT_LABEL
 from normscope.cli.norm_plots import kernel_verdict
@@ -213,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
     name = getattr(args, "name", None)
     reads = merge_reads(log.history, name)
     names = family_names({k for row in log.history for k in row})
+    if not reads and (sm := sm_report.summarise(log, name)) is not None:
+        return _report_sign_magnitude(args, sm)
     if not reads:
         wanted = f"dd[{name}]/..." if name else "dd/..."
         found = f"; it holds named monitors: {', '.join(names)} (pass --name NAME)" if names else ""
@@ -363,6 +368,24 @@ def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str, note
         else:
             captions[file] = caption
     return captions
+
+
+def _report_sign_magnitude(args: argparse.Namespace, sm: Mapping[str, Any]) -> int:
+    """A run with sign–magnitude reads only (:mod:`normscope.cli.sm_report`): the files and
+    the table, no figure."""
+    out = render.out_dir(args.out)
+    result, tables = sm["result"], sm["tables"]
+    _write(out, result, sm["facts"], sm["alert_lines"], {}, tables)
+    if args.json:
+        print(render.to_json(result))
+        return 0
+    print(f"normscope report: {result['run']['source']} run {result['run']['path']}")
+    print("\n".join(render.text_table(*tables[0][1:], right=tuple(range(len(tables[0][1]))))))
+    print("\n".join(sm["alert_lines"]) or "no alert")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    print(f"wrote {', '.join(result['files'])} to {out}/")
+    return 0
 
 
 def _write(out: Path, result, facts, alert_lines, images, tables) -> None:
