@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from normscope import ConfigurationError
 from normscope.adapters.transformers import DeadDirectionCallback, watch
 from normscope.families.sign_magnitude import SignMagnitudeConfig
 from normscope.runs import read_run
@@ -141,5 +142,5 @@ def test_a_callback_no_trainer_calls_says_where_the_reads_go(tmp_path):
 
 def test_watch_refuses_an_unknown_config(tmp_path):
     trainer = _trainer(tmp_path, "gpt2", [])
-    with pytest.raises(TypeError, match="SignMagnitudeConfig"):
+    with pytest.raises(ConfigurationError, match="config must be None .* SignMagnitudeConfig"):
         watch(trainer, {"every_n_steps": 3})

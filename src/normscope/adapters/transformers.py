@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from normscope._common import ConfigurationError
 from normscope.engine import Monitor, Target
 from normscope.engine.keys import named_key
 from normscope.families import SignMagnitudeConfig
@@ -262,7 +263,9 @@ class SignMagnitudeCallback(_NormscopeCallback):
         super().__init__(config=SignMagnitudeConfig() if config is None else config, **engine)
 
 
-def watch(trainer: Any, config: SignMagnitudeConfig | None = None, **engine: Any) -> Any:
+def watch(
+    trainer: Any, config: SignMagnitudeConfig | None = None, **engine: Any
+) -> DeadDirectionCallback | SignMagnitudeCallback:
     """Build a callback, add it to ``trainer`` and bind it: the reads go out through
     ``trainer.log`` (``trainer.state.log_history`` and every ``report_to`` integration).
 
@@ -276,6 +279,9 @@ def watch(trainer: Any, config: SignMagnitudeConfig | None = None, **engine: Any
     Returns:
         The callback (``callback.history``, ``callback.alerts_fired``).
 
+    Raises:
+        ConfigurationError: ``config`` is neither; a bad option (naming it).
+
     Example::
 
         trainer = Trainer(model, TrainingArguments("out", report_to=["wandb"]), train_dataset=ds)
@@ -283,14 +289,16 @@ def watch(trainer: Any, config: SignMagnitudeConfig | None = None, **engine: Any
         watch(trainer, SignMagnitudeConfig(), every_n_steps=100)  # and sign-magnitude
         trainer.train()
     """
+    callback: DeadDirectionCallback | SignMagnitudeCallback
     if config is None:
-        callback: _NormscopeCallback = DeadDirectionCallback(**engine)
+        callback = DeadDirectionCallback(**engine)
     elif isinstance(config, SignMagnitudeConfig):
         callback = SignMagnitudeCallback(config, **engine)
     else:
-        raise TypeError(
+        raise ConfigurationError(
             f"normscope.adapters.transformers.watch: config must be None (dead directions) or a "
             f"SignMagnitudeConfig, got {type(config).__name__}"
         )
     trainer.add_callback(callback)
-    return callback.bind(trainer)
+    callback.bind(trainer)
+    return callback
