@@ -69,8 +69,8 @@ def gpt2(seed: int = 0, cancel: bool = True) -> transformers.GPT2LMHeadModel:
 
 
 def llama(seed: int = 0) -> transformers.LlamaForCausalLM:
-    """A tiny Llama (RMSNorm, ``nn.Linear`` projections: what the sign-magnitude family reads;
-    GPT-2's projections are ``Conv1D``)."""
+    """A tiny Llama (RMSNorm, ``nn.Linear`` projections), the sign-magnitude family's model in
+    these loops (GPT-2's ``Conv1D`` projections are read too: tests/families)."""
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=WIDTH,

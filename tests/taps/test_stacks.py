@@ -6,6 +6,7 @@ import pytest
 from torch import nn
 
 from normscope.families.sign_magnitude import find_block_linears
+from normscope.families.sign_magnitude.layers import is_linear
 from normscope.taps.stacks import longest_stack, same_class_stacks
 from tests.callbacks.tiny_models import TinyLM
 from tests.hf_models import HF_ARCHITECTURES, build_hf_model
@@ -22,12 +23,14 @@ def _old_block_stack(model: nn.Module):
 
 
 def _old_find_block_linears(model: nn.Module) -> list[str]:
+    """The old logic around the old stack; which layers count is ``is_linear`` now (GPT-2's
+    ``Conv1D`` too: it used to be ``isinstance(m, nn.Linear)``, which found none in GPT-2)."""
     stack = _old_block_stack(model)
     prefix = f"{stack[0]}." if stack is not None and stack[0] else ""
     return [
         name
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and (stack is None or name.startswith(prefix))
+        if is_linear(m) and (stack is None or name.startswith(prefix))
     ]
 
 

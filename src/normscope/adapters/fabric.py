@@ -25,7 +25,8 @@ Two ways, one engine:
        monitor.close()
 
 Both log every read to each of ``fabric.loggers`` (a ``WandbLogger`` also gets summaries,
-charts and alerts) and work under DDP (every rank makes the same calls; the reads reduce over
+charts and alerts) and to ``log=`` targets given besides (with neither, one warning: the reads
+stay in ``monitor.history``), and work under DDP (every rank makes the same calls; the reads reduce over
 the ranks).
 """
 
@@ -38,8 +39,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from normscope._common import ConfigurationError
+from normscope._common import ConfigurationError, warn_rank_zero
 from normscope.engine import Monitor, StepResult, Target
+from normscope.engine.publish import as_targets
 from normscope.families import DeadDirectionConfig
 
 __all__ = [
@@ -135,12 +137,16 @@ def watch_fabric(
     monitor: Monitor | None = None,
     *,
     config: Any = None,
+    log: Any = None,
     **engine: Any,
 ) -> Monitor:
     """An engine :class:`~normscope.engine.Monitor` watching ``model`` (as ``fabric.setup``
-    returned it, or the module itself), logging to ``fabric.loggers``: ``monitor`` as given, or
-    ``Monitor.of(config, **engine)`` (``config`` a family's config, by default
-    ``DeadDirectionConfig()``; ``engine`` the :class:`~normscope.engine.Monitor` options).
+    returned it, or the module itself): ``monitor`` as given, or ``Monitor.of(config, **engine)``
+    (``config`` a family's config, by default ``DeadDirectionConfig()``; ``engine`` the
+    :class:`~normscope.engine.Monitor` options). It logs to every one of ``fabric.loggers`` and,
+    in addition, to ``log`` (a logger, a callable such as ``wandb.log``, or a list of them) and
+    to the targets ``monitor`` already had; with none at all, one warning says the reads stay in
+    ``monitor.history``.
 
     Raises:
         ConfigurationError: under Fabric's FSDP or DeepSpeed strategies; bad options.
@@ -157,11 +163,19 @@ def watch_fabric(
     """
     if monitor is None:
         monitor = Monitor.of(config if config is not None else DeadDirectionConfig(), **engine)
-    check_fabric_strategy(fabric, monitor.family.kind, fsdp2=monitor.family.fsdp2)
-    monitor.watch(
-        _unwrap(model), log=_targets(fabric), device=fabric.device, precision=_precision(fabric)
-    )
-    return monitor
+    engine = monitor
+    check_fabric_strategy(fabric, engine.family.kind, fsdp2=engine.family.fsdp2)
+    targets = [*engine.publisher.targets, *as_targets(log)]
+    have = {id(t.sink) for t in targets}
+    targets += [t for t in _targets(fabric) if id(t.sink) not in have]  # a second watch: once
+    if not targets:
+        warn_rank_zero(
+            f"normscope: {engine.label} logs nowhere: the Fabric has no loggers and no log= was "
+            "given, so the reads stay in monitor.history (pass Fabric(loggers=...) or "
+            "watch_fabric(..., log=fn))"
+        )
+    engine.watch(_unwrap(model), log=targets, device=fabric.device, precision=_precision(fabric))
+    return engine
 
 
 class _OptimizerSteps:

@@ -1,10 +1,10 @@
-"""The Hugging Face ``transformers.Trainer`` adapter: ``TrainerCallback`` s.
+"""The Hugging Face ``transformers.Trainer`` adapter: ``TrainerCallback`` s, and :func:`watch`,
+the one call that builds one, adds it to a ``Trainer`` and binds it.
 
-    from normscope.adapters.transformers import DeadDirectionCallback
+    from normscope.adapters.transformers import watch
 
-    callback = DeadDirectionCallback(every_n_steps=50)
-    trainer = Trainer(model, args, train_dataset=ds, callbacks=[callback])
-    callback.bind(trainer)          # the reads go out through trainer.log
+    trainer = Trainer(model, args, train_dataset=ds)
+    watch(trainer, every_n_steps=50)   # the reads go out through trainer.log
     trainer.train()
 
 Each callback takes its family's options as a config (:class:`DeadDirectionCallback`: a
@@ -26,12 +26,15 @@ Each callback takes its family's options as a config (:class:`DeadDirectionCallb
   resumed from that checkpoint (``trainer.train(resume_from_checkpoint=...)``) reads it back at
   ``on_train_begin``: the resumed run reads what the uninterrupted one reads.
 
-The ``Trainer`` is bound explicitly (:meth:`bind`); without it the reads stay in
-``callback.history``, with one warning.
+A callback passed as ``Trainer(..., callbacks=[callback])`` binds itself at ``on_train_begin``
+to the ``Trainer`` whose loop calls it (found on the call stack); where none is found (a loop of
+one's own calling the hooks), the reads stay in ``callback.history``, with one warning saying
+so. :meth:`~_NormscopeCallback.bind` binds explicitly.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from pathlib import Path
@@ -41,11 +44,30 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from normscope._common import ConfigurationError
 from normscope.engine import Monitor, Target
 from normscope.engine.keys import named_key
 from normscope.families import DeadDirectionConfig, SignMagnitudeConfig
 
-__all__ = ["DeadDirectionCallback", "SignMagnitudeCallback"]
+__all__ = ["DeadDirectionCallback", "SignMagnitudeCallback", "watch"]
+
+
+def _calling_trainer(callback: Any) -> Any:
+    """The ``transformers.Trainer`` whose loop is calling ``callback``'s hook now (a caller's
+    ``self`` on the stack holding it in its ``callback_handler``), else None."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(12):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            handler = getattr(owner, "callback_handler", None)
+            if handler is not None and any(c is callback for c in handler.callbacks):
+                return owner
+        return None
+    finally:
+        del frame
 
 
 class _Pending:
@@ -103,9 +125,13 @@ class _NormscopeCallback(TrainerCallback):
     # ------------------------------------------------------------ the loop
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
         if self.trainer is None:
+            self.trainer = _calling_trainer(self)
+        if self.trainer is None:
             warnings.warn(
-                f"normscope: {type(self).__name__} is not bound to a transformers.Trainer; the "
-                "reads stay in callback.history (call callback.bind(trainer) to log them)",
+                f"normscope: {type(self).__name__} found no transformers.Trainer calling it "
+                "(its hooks are not called by a Trainer's loop); the reads stay in "
+                "callback.history (normscope.adapters.transformers.watch(trainer) or "
+                "callback.bind(trainer) logs them through trainer.log)",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -156,7 +182,7 @@ class _NormscopeCallback(TrainerCallback):
             self.history.append((state.global_step, logs))
             del self.history[: max(0, len(self.history) - self.engine.keep_last)]
             if self.trainer is not None:
-                self.trainer.log(logs)
+                self.trainer.log(dict(logs))  # it adds "epoch" to what it is given
         if result.should_stop:
             control.should_training_stop = True
         return control
@@ -211,8 +237,7 @@ class DeadDirectionCallback(_NormscopeCallback):
         callback = DeadDirectionCallback(DeadDirectionConfig(rows_per_read=1024), every_n_steps=50)
         trainer = Trainer(GPT2LMHeadModel(GPT2Config(n_layer=4)), TrainingArguments("out"),
                           train_dataset=ds, callbacks=[callback])
-        callback.bind(trainer)
-        trainer.train()
+        trainer.train()                 # bound at on_train_begin: the reads in trainer.log
         [row["dd/sigma_min_ratio_min"] for row in trainer.state.log_history
          if "dd/sigma_min_ratio_min" in row]
     """
@@ -234,10 +259,54 @@ class SignMagnitudeCallback(_NormscopeCallback):
         config = SignMagnitudeConfig(probe_samples=4)
         callback = SignMagnitudeCallback(config, every_n_steps=100)
         trainer = Trainer(model, args, train_dataset=ds, callbacks=[callback])
-        callback.bind(trainer)
+        trainer.train()
     """
 
     _factory = Monitor.of
 
     def __init__(self, config: SignMagnitudeConfig | None = None, **engine: Any) -> None:
         super().__init__(config=SignMagnitudeConfig() if config is None else config, **engine)
+
+
+def watch(
+    trainer: Any,
+    config: DeadDirectionConfig | SignMagnitudeConfig | None = None,
+    **engine: Any,
+) -> DeadDirectionCallback | SignMagnitudeCallback:
+    """Build a callback, add it to ``trainer`` and bind it: the reads go out through
+    ``trainer.log`` (``trainer.state.log_history`` and every ``report_to`` integration).
+
+    Args:
+        trainer: a ``transformers.Trainer``.
+        config: ``None`` or a :class:`~normscope.families.DeadDirectionConfig`: the
+            dead-direction family (:class:`DeadDirectionCallback`); a
+            :class:`~normscope.families.SignMagnitudeConfig`: the sign–magnitude family
+            (:class:`SignMagnitudeCallback`).
+        **engine: the callback's keywords (``every_n_steps``, ``alerts``, ``stop_on_alert``...).
+
+    Returns:
+        The callback (``callback.history``, ``callback.alerts_fired``).
+
+    Raises:
+        ConfigurationError: ``config`` is neither; a bad option (naming it).
+
+    Example::
+
+        trainer = Trainer(model, TrainingArguments("out", report_to=["wandb"]), train_dataset=ds)
+        watch(trainer, every_n_steps=50)                       # dead directions
+        watch(trainer, SignMagnitudeConfig(), every_n_steps=100)  # and sign-magnitude
+        trainer.train()
+    """
+    callback: DeadDirectionCallback | SignMagnitudeCallback
+    if config is None or isinstance(config, DeadDirectionConfig):
+        callback = DeadDirectionCallback(config, **engine)
+    elif isinstance(config, SignMagnitudeConfig):
+        callback = SignMagnitudeCallback(config, **engine)
+    else:
+        raise ConfigurationError(
+            f"normscope.adapters.transformers.watch: config must be None, a DeadDirectionConfig "
+            f"or a SignMagnitudeConfig, got {type(config).__name__}"
+        )
+    trainer.add_callback(callback)
+    callback.bind(trainer)
+    return callback

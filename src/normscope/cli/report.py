@@ -17,6 +17,9 @@ the residual points when the log has no ``dd/<point>/depth`` (``p_0`` is the poi
 and step are exactly 1 at every read; the rest in natural order of their module paths: ``h.2``
 before ``h.10``, numbered paths before un-numbered ones such as a final norm), and each norm's
 declared kind (from ``norm_class`` and ``kind_mismatch``).
+
+A run that logged the sign–magnitude family only (``sm/...``) gets its reads' table and the
+alerts it logged instead (:mod:`normscope.cli.sm_report`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from normscope._common import fmt
-from normscope.cli import norm_plots, render, run_plots
+from normscope.cli import norm_plots, render, run_plots, sm_report
 from normscope.cli.errors import CLIError
 from normscope.cli.figures import KERNEL_ALERT, KERNEL_ALERT_LABEL
 from normscope.cli.norm_plots import kernel_verdict
@@ -238,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
     name = getattr(args, "name", None)
     reads = merge_reads(log.history, name)
     names = family_names({k for row in log.history for k in row})
+    if not reads and (sm := sm_report.summarise(log, name)) is not None:
+        return _report_sign_magnitude(args, sm)
     if not reads:
         wanted = f"dd[{name}]/..." if name else "dd/..."
         found = f"; it holds named monitors: {', '.join(names)} (pass --name NAME)" if names else ""
@@ -405,19 +410,41 @@ def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str, note
     return captions
 
 
+def _report_sign_magnitude(args: argparse.Namespace, sm: Mapping[str, Any]) -> int:
+    """A run with sign–magnitude reads only (:mod:`normscope.cli.sm_report`): the files and
+    the table, no figure."""
+    out = render.out_dir(args.out)
+    result, tables = sm["result"], sm["tables"]
+    _write(out, result, sm["facts"], sm["alert_lines"], {}, tables, None)
+    if args.json:
+        print(render.to_json(result))
+        return 0
+    print(f"normscope report: {result['run']['source']} run {result['run']['path']}")
+    print("\n".join(render.text_table(*tables[0][1:], right=tuple(range(len(tables[0][1]))))))
+    print("\n".join(sm["alert_lines"]) or "no alert")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    print(f"wrote {', '.join(result['files'])} to {out}/")
+    return 0
+
+
 def _write(out: Path, result, facts, alert_lines, images, tables, story) -> None:
+    """report.md and report.html (``story``: the timeline's lines, None for a run without
+    dead-direction reads; no plots heading without images)."""
     md = [f"# normscope report: {result['run']['path']}", ""] + [f"- {f}" for f in facts] + [""]
     md += [f"**{a}**" for a in alert_lines] or ["No alert."]
-    md += ["", "## Timeline", "", "```", *story, "```"]
+    if story:
+        md += ["", "## Timeline", "", "```", *story, "```"]
     for heading, head, rows in tables:
         md += ["", f"## {heading}", ""] + render.md_table(head, rows)
-    md += ["", "## Plots", ""]
+    if images:
+        md += ["", "## Plots", ""]
     for file, caption in images.items():
         md += [f"### {caption}", "", f"![{caption}]({file})", ""]
     (out / "report.md").write_text("\n".join(md), encoding="utf-8")
     page = render.run_html(
         f"normscope report: {Path(result['run']['path']).name}", facts, alert_lines,
-        {caption: out / file for file, caption in images.items()}, tables, story,
+        {caption: out / file for file, caption in images.items()}, tables, story or (),
     )  # fmt: skip
     (out / "report.html").write_text(page, encoding="utf-8")
     (out / "report.json").write_text(render.to_json(result) + "\n", encoding="utf-8")

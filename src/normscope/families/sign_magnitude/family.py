@@ -9,7 +9,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +19,7 @@ from normscope._common import ConfigurationError
 from normscope.alerts import AlertRule, OutlierRule, SignChurnSpikeRule
 from normscope.families.sign_magnitude.report import SignMagnitudeReport
 from normscope.families.sign_magnitude.tracker import SignMagnitudeTracker
+from normscope.taps.forward_capture import ForwardCapture, has_own_forward
 from normscope.taps.hooks import call_model, compiled, eager_forwards
 
 if TYPE_CHECKING:
@@ -28,9 +29,19 @@ __all__ = ["SignMagnitudeFamily", "slice_batch", "to_device"]
 
 
 def slice_batch(batch: Any, n: int) -> Any:
-    """The first ``n`` samples of every tensor in ``batch`` (dicts, tuples, lists walked)."""
+    """The first ``n`` samples of every tensor in ``batch`` (dicts, tuples, lists walked); a
+    0-dim tensor (the Trainer's ``num_items_in_batch``) and every non-tensor value are left as
+    they are.
+
+    Example::
+
+        >>> batch = {"input_ids": torch.zeros(4, 3), "num_items_in_batch": torch.tensor(9)}
+        >>> cut = slice_batch(batch, 2)
+        >>> tuple(cut["input_ids"].shape), cut["num_items_in_batch"].item()
+        ((2, 3), 9)
+    """
     if isinstance(batch, torch.Tensor):
-        return batch[:n]
+        return batch[:n] if batch.ndim > 0 else batch
     if isinstance(batch, dict):
         return {k: slice_batch(v, n) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
@@ -76,6 +87,9 @@ class SignMagnitudeFamily:
         self.tracker: SignMagnitudeTracker | None = None
         self.model: nn.Module | None = None
         self._saved: dict[str, Any] | None = None
+        # a model with no forward() of its own (the Lightning wrapper calling self.model(...)):
+        # the probes replay the call its training step made, seen at the first batch
+        self.capture: ForwardCapture | None = None
 
     @property
     def layers(self) -> str | list[str]:
@@ -101,9 +115,16 @@ class SignMagnitudeFamily:
         return self.tracker is not None and self.tracker.attached
 
     def first_batch(self, model: nn.Module, batch: Any) -> tuple[bool, bool]:
+        """Attach the taps; on a model with no ``forward()`` of its own, also watch this
+        batch's training forward for the call the probes will replay."""
         assert self.tracker is not None
         self.tracker.attach()
-        return False, compiled(model)
+        is_compiled = compiled(model)
+        if self.config.example_forward is None and not has_own_forward(model) and not is_compiled:
+            n = self.config.probe_samples
+            self.capture = ForwardCapture(model, lambda v: to_device(slice_batch(v, n), "cpu"))
+            self.capture.install()
+        return False, is_compiled
 
     def finish_discovery(self) -> None:
         return None
@@ -112,6 +133,8 @@ class SignMagnitudeFamily:
         if self.tracker is not None:
             self.tracker.gate.open = False
             self.tracker.detach()
+        if self.capture is not None:
+            self.capture.remove()
 
     # ------------------------------------------------------------ the window
     def open(self, batch: Any) -> None:
@@ -130,6 +153,8 @@ class SignMagnitudeFamily:
     def close(self) -> None:
         if self.tracker is not None:
             self.tracker.gate.open = False
+        if self.capture is not None:
+            self.capture.remove()
 
     def rows(self) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64)
@@ -149,19 +174,36 @@ class SignMagnitudeFamily:
             # The read's one collective, right after the handshake: nothing that could fail on
             # one rank only runs between the two.
             tracker.reduce_moments()
-        forward = self.config.example_forward or call_model
+        forward = self._probe_forward()
         probe = None
-        if self.probe_batch is not None and tracker.probe_layers:
-            model = self.model
-            batch = to_device(self.probe_batch, _device(model))
+        if forward is not None and tracker.probe_layers:
 
             def probe() -> Any:
                 # The probe's forwards (perturbed weights, temporary hooks at the norm inputs)
                 # run eagerly: on a compiled model they must not add graphs to its cache.
                 with eager_forwards():
-                    return forward(model, batch)
+                    return forward()
 
         return tracker.read(step, probe=probe)
+
+    def _probe_forward(self) -> Callable[[], Any] | None:
+        """The probe forward: ``example_forward`` or the default call on the probe batch; on a
+        model with no ``forward()``, the module its training step called (the call replayed,
+        or that module given the probe batch when one was passed). ``None``: no probe batch."""
+        model = self.model
+        assert model is not None
+        device = _device(model)
+        call = self.capture.call if self.capture is not None else None
+        if call is not None and self.config.probe_batch is None:
+            return lambda: call.replay(model, lambda v: to_device(v, device))
+        if self.probe_batch is None:
+            return None
+        batch = to_device(self.probe_batch, device)
+        if call is not None:
+            inner = model.get_submodule(call.path)
+            return lambda: call_model(inner, batch)
+        forward = self.config.example_forward or call_model
+        return lambda: forward(model, batch)
 
     def metrics(self, report: SignMagnitudeReport) -> dict[str, float]:
         return report.as_dict()

@@ -1,18 +1,66 @@
-"""Which Linear layers the sign–magnitude family watches and probes, found from the model."""
+"""Which Linear layers the sign–magnitude family watches and probes, found from the model, and
+how to read one: an ``nn.Linear`` (weight ``(out, in)``) or ``transformers``' ``Conv1D`` (GPT-2's
+projections: a linear layer whose weight is stored transposed, ``(in, out)``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from normscope.taps.norms import NormLayer, find_norm_layers
 from normscope.taps.stacks import longest_stack, same_class_stacks
 
-__all__ = ["default_probe_layers", "find_block_linears", "find_norm_layers_or_empty"]
+__all__ = [
+    "default_probe_layers",
+    "find_block_linears",
+    "find_norm_layers_or_empty",
+    "in_features",
+    "is_linear",
+    "linear_layers",
+    "weight_matrix",
+]
 
 #: the names of the Linears that write a branch's output back to the stream
 _OUT_NAMES = ("c_proj", "o_proj", "out_proj", "dense", "down_proj", "fc2", "wo", "dense_4h_to_h")
+
+
+def is_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear``, or a ``transformers`` ``Conv1D`` (``y = x W + b`` with ``W`` of shape
+    ``(nx, nf)``: a Linear with its weight transposed)."""
+    if isinstance(module, nn.Linear):
+        return True
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, torch.Tensor)
+        and weight.ndim == 2
+        and tuple(weight.shape) == (getattr(module, "nx", None), getattr(module, "nf", None))
+    )
+
+
+def weight_matrix(module: nn.Module) -> torch.Tensor:
+    """The layer's weight as ``nn.Linear`` holds it, ``(out, in)``: the parameter itself, or for
+    a ``Conv1D`` its transpose -- a view, so an in-place write reaches the parameter.
+
+    Example::
+
+        >>> lin = nn.Linear(3, 2)
+        >>> weight_matrix(lin) is lin.weight
+        True
+    """
+    return module.weight.t() if not isinstance(module, nn.Linear) else module.weight
+
+
+def in_features(module: nn.Module) -> int:
+    """The width of the layer's input (``in_features``; a ``Conv1D``'s ``nx``)."""
+    return int(weight_matrix(module).shape[1])
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every linear layer of ``model`` (:func:`is_linear`) by its path."""
+    return {name: m for name, m in model.named_modules() if is_linear(m)}
 
 
 def _block_stack(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -24,15 +72,12 @@ def _block_stack(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def find_block_linears(model: nn.Module) -> list[str]:
-    """Paths of every ``nn.Linear`` inside the model's block stack (embeddings and the output
-    head excluded); every Linear of the model when there is no block stack."""
+    """Paths of every linear layer (:func:`is_linear`) inside the model's block stack
+    (embeddings and the output head excluded); every one of the model when there is no block
+    stack."""
     stack = _block_stack(model)
     prefix = f"{stack[0]}." if stack is not None and stack[0] else ""
-    return [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and (stack is None or name.startswith(prefix))
-    ]
+    return [name for name in linear_layers(model) if stack is None or name.startswith(prefix)]
 
 
 def default_probe_layers(linears: Sequence[str], blocks: int = 3) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normscope.families.sign_magnitude.layers import weight_matrix
 from normscope.functional.sign_magnitude import (
     ProbeRead,
     binary_quantization_error,
@@ -75,6 +76,7 @@ class Probes:
             for module, mode in modes.items():
                 module.training = mode
 
+    @torch.no_grad()
     def probe_one(
         self, name: str, forward: Callable[[], Any], clean: list[torch.Tensor] | None = None
     ) -> ProbeRead:
@@ -85,8 +87,8 @@ class Probes:
         linear = self.model.get_submodule(name)
         if clean is None:
             clean = self.norm_inputs(forward)
-        weight = linear.weight
-        saved = weight.detach().clone()
+        weight = weight_matrix(linear)  # (out, in); a Conv1D's transposed view, written through
+        saved = weight.detach().clone(memory_format=torch.contiguous_format)
         w64 = saved.to(torch.float64)
         gen = torch.Generator(device="cpu").manual_seed(self.seed)
         flip = flip_perturbation(w64.cpu(), self.flip_rate, gen).to(w64.device)

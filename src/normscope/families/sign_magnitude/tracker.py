@@ -1,6 +1,7 @@
 """The sign–magnitude reads of a model, for any PyTorch loop (docs/metrics.md §2).
 
-:class:`SignMagnitudeTracker` watches a model's Linear layers:
+:class:`SignMagnitudeTracker` watches a model's Linear layers (``nn.Linear`` and ``transformers``'
+``Conv1D``, GPT-2's, whose weight is read transposed as ``(out, in)``: :mod:`.layers`):
 
 * **parameter reads** (every monitored Linear, at each read): sign and ternary alignment,
   ternary sparsity, sign churn since the previous read;
@@ -24,6 +25,9 @@ from normscope.families.sign_magnitude.layers import (
     default_probe_layers,
     find_block_linears,
     find_norm_layers_or_empty,
+    in_features,
+    linear_layers,
+    weight_matrix,
 )
 from normscope.families.sign_magnitude.probes import Probes
 from normscope.families.sign_magnitude.report import SignMagnitudeReport
@@ -67,7 +71,7 @@ class SignMagnitudeTracker:
     def __init__(self, model: nn.Module, config: SignMagnitudeConfig) -> None:
         self.model = model
         self.config = config
-        linears = dict((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear))
+        linears = linear_layers(model)
         if config.layers == "auto":
             names = find_block_linears(model)
         else:
@@ -80,7 +84,8 @@ class SignMagnitudeTracker:
                 )
         if not names:
             raise ValueError(
-                f"SignMagnitudeTracker: no nn.Linear layer found in {type(model).__name__}; "
+                f"SignMagnitudeTracker: no nn.Linear (or Conv1D) layer found in "
+                f"{type(model).__name__}; "
                 "pass layers=[...]"
             )
         self.layers = names
@@ -113,7 +118,7 @@ class SignMagnitudeTracker:
             return
         for name in self.layers:
             module = self.model.get_submodule(name)
-            self.taps.add(name, "input", module.in_features, make=DiagonalMoment)
+            self.taps.add(name, "input", in_features(module), make=DiagonalMoment)
         self.attached = True
 
     def _moment(self, name: str) -> DiagonalMoment | None:
@@ -167,7 +172,8 @@ class SignMagnitudeTracker:
         for name in self.layers:
             if f"{name}:weight" not in self.failed:
                 try:
-                    w = self.model.get_submodule(name).weight.detach()
+                    # (out, in) laid out as nn.Linear's: a Conv1D reads what its Linear twin reads
+                    w = weight_matrix(self.model.get_submodule(name)).detach().contiguous()
                     weights[name] = weight_read(w, self.prev_signs.get(name))
                     self.prev_signs[name] = torch.sign(w).to(torch.int8)
                 except Exception as err:  # noqa: BLE001 - that layer only
@@ -216,6 +222,6 @@ class SignMagnitudeTracker:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, signs in state.get("prev_signs", {}).items():
             if name in self.layers:
-                w = self.model.get_submodule(name).weight
+                w = weight_matrix(self.model.get_submodule(name))
                 if tuple(signs.shape) == tuple(w.shape):
                     self.prev_signs[name] = signs.to(w.device)
