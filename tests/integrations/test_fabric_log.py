@@ -43,7 +43,7 @@ def test_log_adds_to_the_fabric_loggers(tmp_path):
     logger = CSVLogger(tmp_path, name="fabric")
     fabric, model, optimizer = _setup([logger])
     seen: list[tuple[int, dict[str, float]]] = []
-    options = loops.MONITOR_ARGS | {"every_n_steps": 2}
+    options = loops.ENGINE_ARGS | {"every_n_steps": 2, "config": loops.dd_config()}
     monitor = watch_fabric(fabric, model, log=lambda m, step: seen.append((step, m)), **options)
     _train(fabric, model, optimizer, monitor)
     logger.finalize("success")
@@ -58,7 +58,7 @@ def test_log_adds_to_the_fabric_loggers(tmp_path):
 def test_log_alone_is_kept_without_fabric_loggers():
     fabric, model, optimizer = _setup()
     seen: list[int] = []
-    options = loops.MONITOR_ARGS | {"every_n_steps": 2}
+    options = loops.ENGINE_ARGS | {"every_n_steps": 2, "config": loops.dd_config()}
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no "logs nowhere" warning
         warnings.filterwarnings("ignore", message=".*LeafSpec")
@@ -70,7 +70,7 @@ def test_log_alone_is_kept_without_fabric_loggers():
 @pytest.mark.filterwarnings("ignore:.*LeafSpec")
 def test_no_logger_and_no_log_warns_once_that_reads_stay_in_history():
     fabric, model, optimizer = _setup()
-    options = loops.MONITOR_ARGS | {"every_n_steps": 2}
+    options = loops.ENGINE_ARGS | {"every_n_steps": 2, "config": loops.dd_config()}
     with pytest.warns(UserWarning, match=r"logs nowhere.*monitor\.history") as record:
         monitor = watch_fabric(fabric, model, **options)
         _train(fabric, model, optimizer, monitor)
