@@ -93,7 +93,7 @@ def test_cheap_kernel_residual_equals_the_spectral_read(d, dead):
 
 def test_callback_metrics_hold_the_last_spectral_value_on_cheap_reads():
     _, reads = _fit(DeadDirectionConfig(spectral_every=3), steps=6)
-    (s0, m0, _, named0), (s1, m1, _, named1) = reads[0], reads[1]
+    (s0, m0, _, _), (s1, m1, _, named1) = reads[0], reads[1]
     assert s0 and not s1
     key = "dd/sigma_min_ratio_min"
     assert key not in m1 and named1[key] == m0[key]  # held, not NaN
