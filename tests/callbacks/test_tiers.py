@@ -52,7 +52,7 @@ def _fit(config, *, steps=12, every=1, cancel_at=None, nan_at=None, model=None, 
 
 
 def test_spectral_every_is_checked_once():
-    assert DeadDirectionConfig().spectral_every == 5
+    assert DeadDirectionConfig().spectral_every == 1  # every read full until the tiers are measured
     for bad in (0, -1, 2.0, True, "5"):
         with pytest.raises(ConfigurationError, match="spectral_every"):
             DeadDirectionConfig(spectral_every=bad)

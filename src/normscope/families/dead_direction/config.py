@@ -22,7 +22,7 @@ from normscope.families.dead_direction.report import KIND
 __all__ = ["DeadDirectionConfig", "ROWS_PER_DIM", "SPECTRAL_EVERY"]
 
 #: every how many reads the spectral tier is computed by default (docs/costs.md, "Tiers")
-SPECTRAL_EVERY = 5
+SPECTRAL_EVERY = 1
 
 #: rows each tapped tensor folds per read by default, in units of its width ``d`` (the figures
 #: that chose 8: docs/costs.md, "Rows")
