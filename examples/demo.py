@@ -34,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--every", type=int, default=50, help="optimiser steps between reads")
+    p.add_argument(
+        "--spectral-every",
+        type=int,
+        default=None,
+        help="reads between spectral reads (default: the monitor's, docs/costs.md)",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
@@ -62,7 +68,10 @@ def main(argv: list[str] | None = None) -> DeadDirectionMonitor:
         if not os.environ.get("WANDB_API_KEY") and "WANDB_MODE" not in os.environ:
             os.environ["WANDB_MODE"] = "offline"
         loggers.append(WandbLogger(project="normscope-demo", save_dir=str(out)))
-    monitor = DeadDirectionMonitor(every_n_steps=args.every, stop_on_alert=args.stop_on_alert)
+    tiers = {} if args.spectral_every is None else {"spectral_every": args.spectral_every}
+    monitor = DeadDirectionMonitor(
+        every_n_steps=args.every, stop_on_alert=args.stop_on_alert, **tiers
+    )
     trainer = L.Trainer(
         max_steps=args.steps,
         accelerator="cpu",

@@ -49,7 +49,7 @@ def rows_with(rows: list[dict[str, str]], key: str) -> list[dict[str, str]]:
 
 def test_fit_logs_dd_keys_on_schedule(tmp_path):
     torch.manual_seed(0)
-    monitor = DeadDirectionMonitor(every_n_steps=4, verbose=False)
+    monitor = DeadDirectionMonitor(every_n_steps=4, spectral_every=1, verbose=False)
     trainer = fit(tmp_path, LitTiny(), monitor, steps=8)
     rows = read_csv(trainer)
     reads = rows_with(rows, "dd/sigma_min_ratio_min")

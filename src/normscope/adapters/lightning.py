@@ -38,6 +38,7 @@ from normscope.adapters.fabric import FabricLoop, is_fabric, tensor_parallel_siz
 from normscope.alerts import Alert, AlertRule
 from normscope.engine import Monitor, StepResult, Target
 from normscope.families import DeadDirectionConfig, SignMagnitudeConfig
+from normscope.families.dead_direction.config import SPECTRAL_EVERY
 
 __all__ = [
     "DeadDirectionMonitor",
@@ -291,7 +292,7 @@ class DeadDirectionMonitor(_LightningMonitor):
             name, async_reads: the engine's (:class:`~normscope.engine.Monitor`).
         layers, residual, rows_per_read, alert_below, tolerance, patience, warmup_reads,
             kernel_residual_alert, null_tol, max_memory, example_forward, seed, sources,
-            max_sources, attention: the family's
+            max_sources, attention, spectral_every: the family's
             (:class:`~normscope.families.DeadDirectionConfig`).
 
     Each argument, its default and its figures: docs/monitors.md.
@@ -337,6 +338,7 @@ class DeadDirectionMonitor(_LightningMonitor):
         name: str | None = None,
         async_reads: bool | None = None,
         attention: str | Sequence[str] | None = "auto",
+        spectral_every: int = SPECTRAL_EVERY,
     ) -> None:
         config = _config(
             lambda: DeadDirectionConfig(
@@ -355,6 +357,7 @@ class DeadDirectionMonitor(_LightningMonitor):
                 sources=sources,
                 max_sources=max_sources,
                 attention=attention,
+                spectral_every=spectral_every,
             )
         )
         self.engine = _config(

@@ -40,7 +40,7 @@ Example::
 from __future__ import annotations
 
 from normscope.alerts.attention import AttentionLogitRule
-from normscope.alerts.base import Alert, AlertRule, CallableRule, EpisodeRule
+from normscope.alerts.base import TIERS, Alert, AlertRule, CallableRule, EpisodeRule, rule_tier
 from normscope.alerts.defaults import default_dead_direction_rules
 from normscope.alerts.paging import Pager, format_alerts
 from normscope.alerts.remedies import REMEDIES
@@ -73,6 +73,7 @@ __all__ = [
     "CallableSink",
     "Collapse",
     "EpisodeRule",
+    "TIERS",
     "GainDriftRule",
     "KernelLossRule",
     "LogSink",
@@ -94,6 +95,7 @@ __all__ = [
     "default_dead_direction_rules",
     "describe",
     "format_alerts",
+    "rule_tier",
     "source_reads",
     "spread_bounds",
 ]

@@ -45,6 +45,7 @@ class AttentionLogitRule(EpisodeRule):
     """
 
     name = "attention_logit_growth"
+    tier = "cheap"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["attention_logit_growth"]
 
     def __init__(

@@ -13,7 +13,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Alert", "AlertRule", "CallableRule", "EpisodeRule"]
+__all__ = ["Alert", "AlertRule", "CallableRule", "EpisodeRule", "TIERS", "rule_tier"]
+
+#: the read tiers a rule may need (docs/costs.md, "Tiers")
+TIERS = ("cheap", "spectral")
+
+
+def rule_tier(rule: Any) -> str:
+    """The tier ``rule`` needs: its ``tier`` attribute, ``"spectral"`` without one."""
+    return "cheap" if getattr(rule, "tier", "spectral") == "cheap" else "spectral"
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,12 @@ class Alert:
 class AlertRule(Protocol):
     """What a monitor asks of a rule: a ``name``, ``evaluate(metrics, step)`` returning the
     alerts one read raises (``metrics`` is the flat dict a monitor logs, canonical keys), and
-    its debounce state as ``state_dict`` / ``load_state_dict`` (saved in checkpoints)."""
+    its debounce state as ``state_dict`` / ``load_state_dict`` (saved in checkpoints).
+
+    ``tier`` (optional): the read tier whose keys it reads (docs/costs.md, "Tiers"):
+    ``"cheap"`` -- evaluated at every read -- or ``"spectral"`` -- evaluated only on reads that
+    computed the spectral tier, so it never sees a key absent or stale. A rule without one is
+    taken as ``"spectral"`` (it sees every key)."""
 
     name: str
 
@@ -140,6 +153,8 @@ class EpisodeRule(abc.ABC):
 class CallableRule:
     """A rule of yours: ``fn(metrics, step)`` returns None, a message, an :class:`Alert`, or a
     list of them; it keeps no state. ``remedy``: what to try, on the alerts of its messages.
+    ``tier``: ``"spectral"`` (default: evaluated on the reads that computed every key) or
+    ``"cheap"`` (every read; the spectral keys are then absent on most reads).
 
     Example::
 
@@ -153,10 +168,14 @@ class CallableRule:
         name: str,
         fn: Callable[[Mapping[str, float], int], Any],
         remedy: str | None = None,
+        tier: str = "spectral",
     ) -> None:
+        if tier not in TIERS:
+            raise ValueError(f"CallableRule: tier must be one of {TIERS}, got {tier!r}")
         self.name = name
         self.fn = fn
         self.remedy = remedy
+        self.tier = tier
 
     def evaluate(self, metrics: Mapping[str, float], step: int) -> list[Alert]:
         out = self.fn(metrics, step)

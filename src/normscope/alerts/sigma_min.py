@@ -57,6 +57,7 @@ class SigmaMinRatioRule:
     """
 
     name = "sigma_min_collapse"
+    tier = "spectral"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["sigma_min_collapse"]
 
     def __init__(

@@ -253,6 +253,7 @@ class SourceCollapseRule:
     """
 
     name = "source_collapse"
+    tier = "spectral"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["source_collapse"]
 
     def __init__(self, sigma_rule: SigmaMinRatioRule | None = None, undetermined: bool = False):

@@ -42,6 +42,7 @@ class NonFiniteRule:
     """
 
     name = "non_finite_rows"
+    tier = "cheap"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["non_finite_rows"]
 
     def __init__(self) -> None:
@@ -148,6 +149,7 @@ class RepresentationCollapseRule(EpisodeRule):
     """
 
     name = "representation_collapse"
+    tier = "spectral"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["representation_collapse"]
 
     def __init__(
@@ -264,6 +266,7 @@ class GainDriftRule(EpisodeRule):
     """
 
     name = "norm_gain_drift"
+    tier = "cheap"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["norm_gain_drift"]
 
     def __init__(
@@ -364,6 +367,7 @@ class ScaleGrowthRule(EpisodeRule):
     """
 
     name = "stream_scale_growth"
+    tier = "cheap"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["stream_scale_growth"]
 
     def __init__(self, max_growth: float = 300.0) -> None:

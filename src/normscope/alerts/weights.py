@@ -32,6 +32,7 @@ class KernelLossRule:
     """
 
     name = "layernorm_kernel_lost"
+    tier = "cheap"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["layernorm_kernel_lost"]
 
     def __init__(self, max_kernel_residual: float = 1e-4) -> None:
@@ -89,6 +90,7 @@ class OutlierRule:
     """
 
     name = "outlier_feature"
+    tier = "cheap"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["outlier_feature"]
 
     def __init__(self, max_leverage_above: float = 100.0) -> None:
@@ -150,6 +152,7 @@ class SignChurnSpikeRule:
     """
 
     name = "sign_churn_spike"
+    tier = "cheap"  # the read tier its keys need (docs/costs.md, "Tiers")
     remedy: str | None = REMEDIES["sign_churn_spike"]
 
     def __init__(

@@ -27,7 +27,7 @@ from torch import nn
 
 from normscope._common import ConfigurationError, logger, setup_logger
 from normscope._distributed import rank_zero, read_share, world_size
-from normscope.alerts import Alert, Pager, build_sinks, format_alerts
+from normscope.alerts import Alert, Pager, build_sinks, format_alerts, rule_tier
 from normscope.engine.cost import CostGuard
 from normscope.engine.failopen import fail_open
 from normscope.engine.family import Family, StepResult
@@ -444,7 +444,11 @@ class Monitor:
         self.last_read_step = step
         self.last_report = report
         metrics = family.metrics(report)
-        fired, named = self.publisher.publish(metrics, step, self.rules, self.keep_last)
+        # a family with cost tiers: the rules the read's tier serves, the spectral keys held
+        tier = family.tier_of(report) if hasattr(family, "tier_of") else "spectral"
+        rules = [r for r in self.rules if tier == "spectral" or rule_tier(r) == "cheap"]
+        held = getattr(family, "held_key", None) if tier != "spectral" else None
+        fired, named = self.publisher.publish(metrics, step, rules, self.keep_last, held=held)
         self._result.metrics.update(named)
         if rank_zero():
             # each fails on its own (one warning): a failure must not skip the stop decision

@@ -282,20 +282,34 @@ class Publisher:
         self._skipped: set[int] = set()  # targets that failed
         self._failed_rules: set[int] = set()
         self._published: set[str] = set()  # every key a read has published
+        self._computed: dict[str, float] = {}  # every key's last computed value (unnamed)
 
     def publish(
-        self, metrics: dict[str, float], step: int, rules: Sequence[Any], keep_last: int
+        self,
+        metrics: dict[str, float],
+        step: int,
+        rules: Sequence[Any],
+        keep_last: int,
+        held: Callable[[str], bool] | None = None,
     ) -> tuple[list[Any], dict[str, float]]:
         """Log a read to every target, evaluate ``rules``, page what the pager pages (rank
         zero). Returns ``(fired, named)``: every alert (paged or counted), and every key under
         this monitor's
         name (a key an earlier read published and this one lacks is NaN, never stale: a
-        Trainer's ``callback_metrics`` keep every key for EarlyStopping and ModelCheckpoint)."""
+        Trainer's ``callback_metrics`` keep every key for EarlyStopping and ModelCheckpoint).
+        ``held(key)`` (a cheap read, docs/costs.md "Tiers"): the keys of a tier this read did
+        not compute; the loggers get none of them, ``named`` holds their last computed value
+        (docs/monitors.md, "Cost tiers")."""
         self.history.append((step, {k: v for k, v in metrics.items() if k.count("/") == 1}))
         self._log(named_metrics(select_layers(metrics, self.log_per_layer), self.name), step)
         named = named_metrics(metrics, self.name)
         for key in self._published - named.keys():
             named[key] = math.nan
+        if held is not None:
+            for key, value in self._computed.items():
+                if key not in metrics and held(key):
+                    named[named_key(key, self.name)] = value
+        self._computed.update(metrics)
         self._published |= named.keys()
         fired = self.pager.sort([self.own_alert(a) for a in self._evaluate(rules, metrics, step)])
         self.alerts_fired.extend(fired)

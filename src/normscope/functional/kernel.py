@@ -35,6 +35,7 @@ __all__ = [
     "KernelRead",
     "centring_residual",
     "kernel_read",
+    "kernel_residual",
     "rmsnorm_alignment_max",
     "secular_floor",
 ]
@@ -307,6 +308,42 @@ def kernel_read(
         alignment_f, residual_f, null_dim, subspace_f, floor, norm_class, n, g.reason, bottom,
         mismatch, declared_kind, route, fallbacks, centring,
     )  # fmt: skip
+
+
+def kernel_residual(
+    covariance: torch.Tensor, gamma: torch.Tensor | GammaRead, n_rows: int
+) -> float:
+    """:func:`kernel_read`'s ``kernel_residual`` alone, without a decomposition of ``C``:
+    ``lambda_max(P^T C P) / lambda_d`` (``v*^T C v* / lambda_d`` without dead channels),
+    ``lambda_d`` by Lanczos (:func:`~normscope.functional.solvers.lambda_max`, ``O(d^2)`` a
+    step; the values-only dense solve when it does not verify). NaN where :func:`kernel_read`
+    gives NaN (under ``2 d`` rows, a non-finite ``C`` or gamma, a zero ``C``). The cheap tier's
+    read of a norm layer (docs/costs.md, "Tiers").
+
+    Example::
+
+        >>> import torch
+        >>> gamma = torch.linspace(0.5, 2.0, 16, dtype=torch.float64)
+        >>> x = torch.randn(256, 16, dtype=torch.float64)
+        >>> c = torch.cov(torch.nn.functional.layer_norm(x, (16,), gamma).T, correction=0)
+        >>> abs(kernel_residual(c, gamma, 256) - kernel_read(c, gamma, 256).kernel_residual) < 1e-12
+        True
+    """
+    c = square_matrix(covariance, "kernel_residual", "covariance")
+    d = c.shape[0]
+    g = resolve_gamma(gamma, d, "kernel_residual")
+    n = row_count(n_rows, "kernel_residual")
+    if n < 2 * d or g.reason == "non_finite_gamma" or not bool(torch.isfinite(c).all()):
+        return _NAN
+    lam_d, ok = lambda_max(c)
+    if not ok:
+        lam_d = float(symmetric_eigvalsh(c)[-1])
+    if not lam_d > 0:
+        return _NAN
+    p = predicted_kernel(g, device=c.device)
+    pcp = p.T @ c @ p
+    top = pcp.reshape(()) if p.shape[1] == 1 else symmetric_eigvalsh(pcp)[-1]
+    return float(top) / lam_d
 
 
 def centring_residual(covariance: torch.Tensor, gamma: torch.Tensor | GammaRead) -> float:

@@ -19,7 +19,10 @@ from normscope.families.checks import check_layers
 from normscope.families.dead_direction.family import DeadDirectionFamily
 from normscope.families.dead_direction.report import KIND
 
-__all__ = ["DeadDirectionConfig", "ROWS_PER_DIM"]
+__all__ = ["DeadDirectionConfig", "ROWS_PER_DIM", "SPECTRAL_EVERY"]
+
+#: every how many reads the spectral tier is computed by default (docs/costs.md, "Tiers")
+SPECTRAL_EVERY = 1
 
 #: rows each tapped tensor folds per read by default, in units of its width ``d`` (the figures
 #: that chose 8: docs/costs.md, "Rows")
@@ -59,6 +62,10 @@ class DeadDirectionConfig:
             ``fn(batch) -> labels`` or a batch field name.
         max_sources: sources tracked (the first seen).
         attention: modules whose largest pre-softmax logit is read: ``"auto"``, paths or None.
+        spectral_every: the spectral tier (the decompositions: the ``sigma_min`` profile, the
+            kernel alignments, ``delta_gamma``, RankMe, Schur) is read at the first read and
+            every this many reads; the others read the cheap tier only (docs/costs.md,
+            "Tiers"). 1: every read is a full read.
 
     Each is described in docs/monitors.md; a bad one raises ``ConfigurationError`` naming it.
 
@@ -87,6 +94,7 @@ class DeadDirectionConfig:
     sources: Callable[[Any], Any] | str | None = None
     max_sources: int = 8
     attention: str | Sequence[str] | None = "auto"
+    spectral_every: int = SPECTRAL_EVERY
 
     def __post_init__(self) -> None:
         layers = check_layers(self.layers, KIND)
@@ -124,6 +132,8 @@ class DeadDirectionConfig:
             )
         if not _int(self.max_sources) or self.max_sources < 1:
             self._refuse(f"max_sources must be >= 1, got {self.max_sources!r}")
+        if not _int(self.spectral_every) or self.spectral_every < 1:
+            self._refuse(f"spectral_every must be an int >= 1, got {self.spectral_every!r}")
 
     @staticmethod
     def _refuse(why: str) -> None:

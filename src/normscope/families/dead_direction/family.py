@@ -20,7 +20,12 @@ from normscope.alerts import (
 from normscope.families.checks import key_path
 from normscope.families.dead_direction.read import gather_records, solve_window
 from normscope.families.dead_direction.render import format_read_line, format_summary
-from normscope.families.dead_direction.report import FAMILY, KIND, DeadDirectionReport
+from normscope.families.dead_direction.report import (
+    FAMILY,
+    KIND,
+    DeadDirectionReport,
+    cheap_key,
+)
 from normscope.families.dead_direction.tracker import DeadDirectionTracker
 from normscope.families.dead_direction.window import ReadRecords, ReadWindow
 from normscope.taps.hooks import batch_mask, call_model, compiled, eager_forwards
@@ -83,6 +88,9 @@ class DeadDirectionFamily:
             (r for r in self.rules if isinstance(r, SourceCollapseRule)), None
         )
         self.tracker: DeadDirectionTracker | None = None
+        #: reads taken so far (checkpointed): read ``k`` (from 0) is spectral when
+        #: ``k % config.spectral_every == 0``, so the first read always is
+        self.reads_taken = 0
         self._discovering = False
         self._saved: dict[str, Any] = {}  # state loaded before the tracker existed
 
@@ -258,18 +266,36 @@ class DeadDirectionFamily:
         return math.ceil(per_dim * width)
 
     # ------------------------------------------------------------ the read
+    def next_spectral(self) -> bool:
+        """Whether the next read computes the spectral tier (docs/costs.md, "Tiers"): the
+        first read and every ``spectral_every``-th after it; counts the read."""
+        spectral = self.reads_taken % self.config.spectral_every == 0
+        self.reads_taken += 1
+        return spectral
+
     def take(self, step: int, *, distributed: bool, swap: bool) -> ReadWindow:
         """The read step's main-thread part: the cross-rank reduce, then the window taken
         (``swap``: the taps get fresh accumulators at once)."""
         assert self.tracker is not None
         if distributed:
             self.tracker.reduce()
-        return self.tracker.take(step, swap=swap)
+        return self.tracker.take(step, swap=swap, spectral=self.next_spectral())
 
     def read(self, step: int, *, distributed: bool) -> DeadDirectionReport:
         """A synchronous read: the same take / solve / assemble, waited for at once."""
         assert self.tracker is not None
-        return self.tracker.read(step, reduce=distributed)
+        return self.tracker.read(step, reduce=distributed, spectral=self.next_spectral())
+
+    def tier_of(self, report: DeadDirectionReport) -> str:
+        """``"spectral"`` when ``report`` computed the spectral tier, else ``"cheap"``: the
+        engine evaluates only the rules whose ``tier`` the read computed."""
+        return "spectral" if report.spectral else "cheap"
+
+    def held_key(self, key: str) -> bool:
+        """Whether ``key`` (unnamed, as :meth:`metrics` gives it) is the spectral tier's: on a
+        cheap read it is absent from what is logged, and ``callback_metrics`` hold its last
+        spectral value (docs/monitors.md, "Cost tiers")."""
+        return not cheap_key(key)
 
     def solve(self, window: ReadWindow, share: tuple[int, int]) -> ReadRecords:
         """The window's solves (this rank's ``share``), on any thread: no tracker state."""
@@ -309,6 +335,8 @@ class DeadDirectionFamily:
         """The W&B media of a read: a table of each norm's bottom eigenvalues and the
         ``sigma_min`` ratio against depth (the engine logs them at the first read and every
         :attr:`charts_every_n_reads`-th)."""
+        if not report.spectral:
+            return {}  # a cheap read has no spectrum and no profile
         import wandb
 
         payload: dict[str, Any] = {}
@@ -341,14 +369,17 @@ class DeadDirectionFamily:
         themselves stand on their own window (``delta_gamma`` needs no baseline)."""
         tracker = self.tracker
         if tracker is None:
-            return dict(self._saved)
+            return {**self._saved, "reads_taken": self.reads_taken}
         return {
             "gain_baselines": {k: v.detach().cpu() for k, v in tracker.gain_baselines.items()},
             "previous_rms": dict(tracker.previous_rms),
+            "reads_taken": self.reads_taken,  # the tier schedule goes on where it was
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the stream reads' baselines (keys of older checkpoints are ignored)."""
+        """Resume the stream reads' baselines and the tier schedule (keys of older checkpoints
+        are ignored)."""
+        self.reads_taken = int(state.get("reads_taken", 0))
         self._saved = {
             "gain_baselines": {
                 str(k): torch.as_tensor(v, dtype=torch.float64)

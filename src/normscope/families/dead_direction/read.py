@@ -39,6 +39,7 @@ from normscope.families.dead_direction.solve import (
     point_sigma,
     profile_from_parts,
     read_norm,
+    read_norm_cheap,
     read_sources_of,
 )
 from normscope.families.dead_direction.stream import attention_reads, stream_keys, stream_reads
@@ -57,7 +58,8 @@ __all__ = ["finish_report", "gather_records", "solve_window"]
 
 def _jobs(window: ReadWindow) -> list[tuple[str, Any]]:
     jobs: list[tuple[str, Any]] = [("norm", n) for n in window.norms if n.name not in window.skip]
-    if window.profile_on and window.layout is not None and window.point_taps:
+    # the profile's points and the per-source profiles are the spectral tier's
+    if window.spectral and window.profile_on and window.layout is not None and window.point_taps:
         covered = set(window.covers.values())
         jobs += [("point", k) for k in range(len(window.point_taps)) if k not in covered]
         jobs += [("source", name) for name in window.sources or {}]
@@ -139,6 +141,15 @@ def _solve_job(window: ReadWindow, job: tuple, out: ReadRecords) -> None:
 
 def _solve_norm(window: ReadWindow, norm: Any, out: ReadRecords) -> None:
     tap_in, tap_out = window.norm_taps[norm.name]
+    if not window.spectral:  # the cheap tier: gamma and kernel_residual, no decomposition
+        try:
+            gamma = window.gamma_reads.get(norm.name, window.gammas[norm.name])
+            out.norms[norm.name] = read_norm_cheap(norm, tap_out, gamma)
+        except Exception as err:  # noqa: BLE001 - one layer's failure is that layer's only
+            out.norm_failures[norm.name] = f"{type(err).__name__}: {err}"
+            return
+        out.solves += 1
+        return
     point = window.covers.get(norm.name)
     report = None
     try:
@@ -215,7 +226,7 @@ def finish_report(
     if merged.profile_failure is not None:
         if profile_failed is None:
             profile_failed = update.profile_failed = merged.profile_failure
-    elif window.profile_on and window.layout is not None and window.point_taps:
+    elif window.spectral and window.profile_on and window.layout is not None and window.point_taps:
         profile = profile_from_parts(
             window.layout.points,
             # a point whose job met a failure before it was read: NaN, said (never a KeyError)
@@ -236,7 +247,14 @@ def finish_report(
         window, merged.stream, memory.gain_baselines, memory.previous_rms
     )
     report = DeadDirectionReport(
-        window.step, norms, profile, window.layout, rejected, failed, stream=stream
+        window.step,
+        norms,
+        profile,
+        window.layout,
+        rejected,
+        failed,
+        stream=stream,
+        spectral=window.spectral,
     )
     if window.sources is not None and profile is not None:
         if merged.sources_failure is not None:
@@ -244,6 +262,6 @@ def finish_report(
         else:
             srcs = {n: merged.sources[n] for n in sorted(merged.sources)}
             report = dataclasses.replace(report, sources=srcs, source_rule=memory.source_rule)
-    if not memory.rank_warned:
+    if not memory.rank_warned and window.spectral:
         update.rank_note = rank_deficiency_note(report)
     return report, update

@@ -25,8 +25,12 @@ def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -
         sub = next((p.sublayer for p in profile.points if p.name == worst), None)
         where = f" at {key_path(worst)} ({sub or 'block'})" if worst else ""
         parts.append(f"sigma_min_ratio_min {format(profile.sigma_min_ratio_min, '.4g')}{where}")
+    if not report.spectral:
+        parts.append("cheap read")
     ln = [n for n in report.norms.values() if n.kind == "layernorm" and n.gamma.dead_channels == 0]
-    if ln:  # the headline, as dd/gamma_alignment_min: each LayerNorm's kernel_alignment
+    if (
+        ln and report.spectral
+    ):  # the headline, as dd/gamma_alignment_min: each LayerNorm's kernel_alignment
         parts.append(
             f"gamma_alignment_min {format(min(n.kernel.kernel_alignment for n in ln), '.6f')}"
         )
@@ -63,7 +67,7 @@ def format_table(report: DeadDirectionReport) -> str:
             f"{name[-36:]:<36} {n.kind:<9} {n.kernel.norm_class:<15} "
             f"{_f(n.kernel.gamma_alignment, '.6f'):>9} {_f(n.kernel.kernel_residual, '.1e'):>10} "
             f"{n.kernel.null_dim:>4} {n.gamma.dead_channels:>4} {_f(n.delta_gamma, '.3f'):>8} "
-            f"{_f(n.depth.control_delta_gamma, '.3f'):>7}"
+            f"{_f(n.depth.control_delta_gamma if n.depth else math.nan, '.3f'):>7}"
         )
     if report.profile is not None:
         lines.append("")

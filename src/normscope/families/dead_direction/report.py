@@ -23,6 +23,7 @@ __all__ = [
     "KIND",
     "NORM_CLASS_CODE",
     "NormReport",
+    "cheap_key",
     "rank_deficiency_note",
 ]
 
@@ -30,34 +31,81 @@ __all__ = [
 KIND = "DeadDirectionMonitor"
 NORM_CLASS_CODE = {"layernorm-like": 1.0, "rmsnorm-like": -1.0, "indeterminate": 0.0}
 
+#: what a cheap read logs per norm layer, residual point and attention module (the last part of
+#: ``dd/<path>/<metric>``) and of the run (``dd/<metric>``); every other key is the spectral
+#: tier's (docs/costs.md, "Tiers")
+CHEAP_METRICS = frozenset(
+    {
+        "dead_channels", "gamma_min", "gamma_max", "gamma_spread", "kernel_residual", "n_rows",
+        "offset_share", "rms", "rms_growth", "out_offset_share", "gamma_scale",
+        "gamma_crossed", "max_logit",
+    }
+)  # fmt: skip
+CHEAP_SUMMARIES = frozenset(
+    {
+        "rows_rejected", "reads_disabled", "nonfinite_share", "offset_share_max",
+        "rms_growth_max", "gamma_scale_min", "gamma_scale_max", "gamma_crossed_max",
+        "final_offset_share", "final_out_offset_share", "final_rows_per_dim",
+        "attn_logit_max", "attn_modules_read", "stream_failed",
+    }
+)  # fmt: skip
+
+
+def cheap_key(key: str) -> bool:
+    """Whether a cheap read computes ``key`` (a logged ``dd/...`` key); False: a key of the
+    spectral tier, absent from a cheap read's metrics.
+
+    Example::
+
+        >>> cheap_key("dd/h.0.ln_1/kernel_residual"), cheap_key("dd/h.0.ln_1/gamma_alignment")
+        (True, False)
+        >>> cheap_key("dd/rows_rejected"), cheap_key("dd/sigma_min_ratio_min")
+        (True, False)
+    """
+    if not key.startswith(f"{FAMILY}/"):
+        return False  # the per-source reads (dd.<source>/...) are the profile's
+    rest = key[len(FAMILY) + 1 :]
+    if "/" not in rest:
+        return rest in CHEAP_SUMMARIES
+    return rest.rsplit("/", 1)[1] in CHEAP_METRICS
+
 
 @dataclass(frozen=True)
 class NormReport:
     """Every read of one norm layer (docs/metrics.md §1.1–1.3): ``gamma``, the kernel reads of
     its output, and of its input the Schur quotient (``schur``: ``R`` and ``s``, no baseline)
     and ``v*``'s depth beyond the typical direction with its random-direction control
-    (``depth``: ``delta_gamma``, ``delta_gamma_control``...)."""
+    (``depth``: ``delta_gamma``, ``delta_gamma_control``...). A cheap read's
+    (``spectral=False``) has ``gamma`` and the kernel's ``kernel_residual`` only: its
+    ``schur`` and ``depth`` are None and :meth:`as_dict` holds the cheap keys."""
 
     name: str
     kind: str
     gamma: GammaRead
     kernel: KernelRead
-    schur: SchurRead
-    depth: DepthRead
+    schur: SchurRead | None
+    depth: DepthRead | None
     n_rows: int
     #: the input covariance's ``(eigenvalues, eigenvectors)`` while the read is solved (the
     #: residual point this norm reads takes its ``sigma_min`` from it); dropped before the
     #: report leaves the solve
     spectrum: Any = field(default=None, repr=False, compare=False)
+    #: the spectral tier was read (False: a cheap read's gamma and kernel_residual only)
+    spectral: bool = True
 
     @property
     def delta_gamma(self) -> float:
-        """``1 - 10^-depth``: 0 for a typical direction, -> 1 as ``v*`` sits deeper."""
-        return self.depth.delta_gamma
+        """``1 - 10^-depth``: 0 for a typical direction, -> 1 as ``v*`` sits deeper (NaN on a
+        cheap read)."""
+        return self.depth.delta_gamma if self.depth is not None else math.nan
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {}
         out.update(self.gamma.as_dict())
+        if not self.spectral or self.schur is None or self.depth is None:
+            out["kernel_residual"] = self.kernel.kernel_residual
+            out["n_rows"] = float(self.n_rows)
+            return out
         out.update(self.kernel.as_dict())
         out["kernel_alignment"] = self.kernel.kernel_alignment
         out["schur_quotient"] = self.schur.schur_quotient
@@ -91,6 +139,8 @@ class DeadDirectionReport:
     #: the stream reads (docs/metrics.md §1.6), keyed as logged without ``dd/``:
     #: ``<point>/offset_share``, ``<norm>/rankme``, ``gamma_scale_min``... (:func:`stream_keys`)
     stream: dict[str, float] = field(default_factory=dict)
+    #: the spectral tier was read (False: a cheap read, only :func:`cheap_key` keys)
+    spectral: bool = True
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -104,17 +154,18 @@ class DeadDirectionReport:
             steps = [s for s in steps if math.isfinite(s)]
             out[f"{FAMILY}/sigma_min_step_min"] = min(steps) if steps else math.nan
         out[f"{FAMILY}/rows_rejected"] = float(self.rows_rejected)
-        # the residual points this read covers: 0 says "no sigma_min profile" out loud
-        out[f"{FAMILY}/profile_points"] = (
-            float(len(self.profile.points)) if self.profile is not None else 0.0
-        )
-        # reads the fast solvers could not verify, answered by the dense eigh instead
-        out[f"{FAMILY}/solver_fallbacks"] = float(self.solver_fallbacks)
+        if self.spectral:
+            # the residual points this read covers: 0 says "no sigma_min profile" out loud
+            out[f"{FAMILY}/profile_points"] = (
+                float(len(self.profile.points)) if self.profile is not None else 0.0
+            )
+            # reads the fast solvers could not verify, answered by the dense eigh instead
+            out[f"{FAMILY}/solver_fallbacks"] = float(self.solver_fallbacks)
         # layers (norms, residual points, the profile) no longer read after a failure
         out[f"{FAMILY}/reads_disabled"] = float(
             len({key.rsplit(":", 1)[0] for key in self.failed_taps})
         )
-        if self.norms:
+        if self.norms and self.spectral:
             # the headline: each LayerNorm's kernel_alignment (its subspace alignment when the
             # input does not span and the null space is degenerate, else gamma_alignment)
             aligned = [
@@ -152,7 +203,8 @@ class DeadDirectionReport:
         return [
             name
             for name, n in self.norms.items()
-            if n.depth.rank_deficient
+            if n.depth is not None
+            and n.depth.rank_deficient
             or (
                 isinstance(n.kernel.null_dim, int)
                 and n.kernel.null_dim > 1

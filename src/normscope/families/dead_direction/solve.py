@@ -13,8 +13,9 @@ import torch
 
 from normscope.families.dead_direction.report import NormReport
 from normscope.functional.covariance import host_array, on_device
-from normscope.functional.dead_direction import GammaRead, gamma_read, kernel_read
+from normscope.functional.dead_direction import GammaRead, KernelRead, gamma_read, kernel_read
 from normscope.functional.depth import input_reads, secular_bottom
+from normscope.functional.kernel import kernel_residual
 from normscope.functional.profile import (
     RANK_DEFICIENT,
     RANK_TOL,
@@ -32,6 +33,7 @@ __all__ = [
     "point_sigma",
     "profile_from_parts",
     "read_norm",
+    "read_norm_cheap",
     "read_sources_of",
 ]
 
@@ -86,6 +88,19 @@ def read_norm(
     cov_in = tap_in.accumulator.covariance()
     read = input_reads(cov_in, g, n_in, declared_kind=norm.kind, placement=placement)
     return NormReport(norm.name, norm.kind, g, kernel, read.schur, read.depth, n_out, read.spectrum)
+
+
+def read_norm_cheap(norm: NormLayer, tap_out: Tap, gamma: torch.Tensor | GammaRead) -> NormReport:
+    """The cheap tier's read of ``norm`` (docs/costs.md, "Tiers"): the gamma read and the
+    output's ``kernel_residual`` (:func:`~normscope.functional.kernel.kernel_residual`: no
+    decomposition); the report's other reads are absent (``spectral=False``)."""
+    g = gamma if isinstance(gamma, GammaRead) else gamma_read(gamma)
+    acc = tap_out.accumulator
+    n = acc.count
+    residual = kernel_residual(acc.covariance(), g, n)
+    nan = math.nan
+    kernel = KernelRead(nan, residual, nan, nan, nan, "indeterminate", n, g.reason, ())
+    return NormReport(norm.name, norm.kind, g, kernel, None, None, n, spectral=False)
 
 
 def anchors(layout: ResidualLayout | None) -> bool:

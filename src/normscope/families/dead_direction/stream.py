@@ -51,8 +51,9 @@ def stream_reads(window: ReadWindow) -> dict[str, float]:
     final = window.layout.final_norm if window.layout is not None else None
     if final is not None and final in window.norm_taps and final not in window.skip:
         acc = window.norm_taps[final][1].accumulator
-        out[f"{final}/rankme"] = effective_rank(acc.second_moment(), acc.count)
-        out[f"{final}/rankme_centred"] = effective_rank(acc.covariance(), acc.count)
+        if window.spectral:  # RankMe: two eigvalsh, the spectral tier's
+            out[f"{final}/rankme"] = effective_rank(acc.second_moment(), acc.count)
+            out[f"{final}/rankme_centred"] = effective_rank(acc.covariance(), acc.count)
         out["final_rows_per_dim"] = acc.count / acc.dim
     return out
 
@@ -155,6 +156,7 @@ def stream_keys(
     final = window.layout.final_norm if window.layout is not None else None
     if final is not None:
         out["final_out_offset_share"] = out.get(f"{final}/out_offset_share", math.nan)
-        out["final_rankme"] = out.get(f"{final}/rankme", math.nan)
-        out["final_rankme_centred"] = out.get(f"{final}/rankme_centred", math.nan)
+        if window.spectral:
+            out["final_rankme"] = out.get(f"{final}/rankme", math.nan)
+            out["final_rankme_centred"] = out.get(f"{final}/rankme_centred", math.nan)
     return out, baselines, kept

@@ -328,17 +328,18 @@ class DeadDirectionTracker:
         return torch.stack([r.to(found[0].device, torch.float64) for r in found]).max()
 
     def read(
-        self, step: int = 0, *, reduce: bool = True, reset: bool = True
+        self, step: int = 0, *, reduce: bool = True, reset: bool = True, spectral: bool = True
     ) -> DeadDirectionReport:
         """Reduce across processes (``reduce``; every rank must call this at the same step),
         run every read and start a new window (``reset``; ``False`` keeps the window: the
         same accumulators can be read again, as ``benchmarks/read_cost.py`` does). Under
         several processes every rank solves a round-robin share and the records are gathered:
-        every rank gets the same full report (:mod:`~normscope.families.dead_direction.read`)."""
+        every rank gets the same full report (:mod:`~normscope.families.dead_direction.read`).
+        ``spectral=False``: the cheap tier only (docs/costs.md, "Tiers")."""
         if reduce:
             self.reduce()
         share = read_share() if reduce else (0, 1)
-        window = self.take(step, swap=False)
+        window = self.take(step, swap=False, spectral=spectral)
         records = solve_window(window, share)
         parts = gather_records(records) if share[1] > 1 else [records]
         self.last_solves = records.solves
@@ -361,7 +362,7 @@ class DeadDirectionTracker:
         if self.attention is not None:
             self.attention.reduce_()
 
-    def take(self, step: int, *, swap: bool) -> ReadWindow:
+    def take(self, step: int, *, swap: bool, spectral: bool = True) -> ReadWindow:
         """Freeze the window (after :meth:`reduce`). ``swap`` (an asynchronous read): every
         accumulator is shallow-copied -- the copy keeps *references* to the window's tensors --
         and the live taps are reset with fresh tensors, so the next window folds into new
@@ -398,8 +399,9 @@ class DeadDirectionTracker:
             failed_taps={f"{t.module_name}:{t.where}": t.failed for t in live if t.failed},
             null_tol=self.config.null_tol,
             placement=self.placement,
+            spectral=spectral,
         )
-        window.covers = covered(window)
+        window.covers = covered(window) if spectral else {}
         if self.attention is not None:  # swapped: the live maxima start over; else reset() does
             window.attention = self.attention.take() if swap else dict(self.attention.maxima)
         elif self.attention_on:

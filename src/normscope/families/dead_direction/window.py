@@ -45,6 +45,8 @@ class ReadWindow:
     attention: dict[str, torch.Tensor | None] | None = None
     #: norm name -> its gamma read, taken for the norm jobs in one batch by ``solve_window``
     gamma_reads: dict[str, GammaRead] = field(default_factory=dict)
+    #: the spectral tier is read too (docs/costs.md, "Tiers"); False: the cheap tier only
+    spectral: bool = True
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the read reads (for ``record_stream`` on a side CUDA stream)."""
