@@ -117,7 +117,9 @@ def test_one_call_logs_every_read_to_tensorboard_and_wandb(tmp_path, monkeypatch
 def test_a_callback_in_the_trainers_list_binds_itself(tmp_path):
     """``Trainer(..., callbacks=[DeadDirectionCallback()])`` without ``bind``: the callback finds
     the Trainer calling it, and the reads land in ``trainer.state.log_history``."""
-    callback = DeadDirectionCallback(DeadDirectionConfig(rows_per_read="all"), every_n_steps=EVERY, alerts=())
+    callback = DeadDirectionCallback(
+        DeadDirectionConfig(rows_per_read="all"), every_n_steps=EVERY, alerts=()
+    )
     trainer = _trainer(tmp_path, "gpt2", [], callbacks=[callback])
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -142,5 +144,8 @@ def test_a_callback_no_trainer_calls_says_where_the_reads_go(tmp_path):
 
 def test_watch_refuses_an_unknown_config(tmp_path):
     trainer = _trainer(tmp_path, "gpt2", [])
-    with pytest.raises(ConfigurationError, match="config must be None, a DeadDirectionConfig or a SignMagnitudeConfig"):
+    with pytest.raises(
+        ConfigurationError,
+        match="config must be None, a DeadDirectionConfig or a SignMagnitudeConfig",
+    ):
         watch(trainer, {"every_n_steps": 3})

@@ -182,10 +182,8 @@ class Monitor:
 
     @contextlib.contextmanager
     def step(self, batch: Any = None) -> Iterator[StepResult]:
-        """Around one optimiser step of a loop you wrote (forwards, backward,
-        ``optimizer.step()``): :meth:`begin` on entry, :meth:`end` on exit, the yielded
-        :class:`StepResult` filled at exit. A step that raises is not counted (the window
-        stays shut)."""
+        """Around one optimiser step of your loop: :meth:`begin`, then :meth:`end` filling the
+        yielded :class:`StepResult`; a step that raises is not counted."""
         if self.model is None:
             raise RuntimeError("normscope: Monitor.step() needs a model: Monitor(..., model=m)")
         result = StepResult()
@@ -434,8 +432,7 @@ class Monitor:
 
     # ------------------------------------------------------------------ publishing
     def _deliver(self, report: Any) -> None:
-        """Publish ``report``: counters, targets, rules and sinks, W&B extras, the read line,
-        the stop decision."""
+        """Publish ``report``: counters, targets, rules, sinks, W&B extras, read line, stop."""
         # set first: a failure anywhere below still owes the peers this read's stop vote
         self.ranks.vote_owed = self.stop_on_alert and world_size() > 1
         family = self.family
@@ -444,8 +441,7 @@ class Monitor:
         self.last_read_step = step
         self.last_report = report
         metrics = family.metrics(report)
-        # a family with cost tiers: the rules the read's tier serves, the spectral keys held
-        tier = family.tier_of(report) if hasattr(family, "tier_of") else "spectral"
+        tier = family.tier_of(report) if hasattr(family, "tier_of") else "spectral"  # cost tiers
         rules = [r for r in self.rules if tier == "spectral" or rule_tier(r) == "cheap"]
         held = getattr(family, "held_key", None) if tier != "spectral" else None
         fired, named = self.publisher.publish(metrics, step, rules, self.keep_last, held=held)
