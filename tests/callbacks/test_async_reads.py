@@ -194,7 +194,7 @@ def test_a_checkpoint_with_a_read_in_flight_holds_it(tmp_path):
     assert state["last_read_step"] == 4
     # the stream reads' baselines only (delta_gamma needs none): gains at the first batch,
     # each point's RMS at the last read
-    assert set(state["family"]) == {"gain_baselines", "previous_rms"}
+    assert set(state["family"]) == {"gain_baselines", "previous_rms", "reads_taken"}
     assert state["family"]["previous_rms"] == monitor.tracker.previous_rms
 
 
