@@ -1,5 +1,5 @@
-"""Checks and key spellings the families share: a family imports them from here, never from a
-sibling family."""
+"""The option checks the families share: a family imports them from here, never from a sibling
+family."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ from collections.abc import Iterable
 
 from normscope._common import ConfigurationError
 
-__all__ = ["check_layers", "key_path"]
-
-_COMPILE_WRAPPER = "_orig_mod"  # torch.compile's OptimizedModule holds the model under this name
+__all__ = ["check_layers"]
 
 
 def check_layers(
@@ -35,21 +33,3 @@ def check_layers(
         )
         raise ConfigurationError(f"{owner}: {what} must be {allowed}, got {layers!r}")
     return "auto" if paths is None else paths
-
-
-def key_path(path: str) -> str:
-    """A module path as metric keys spell it: without the ``_orig_mod`` segments that
-    ``torch.compile(submodule)`` inserts, so a compiled run, an eager run and a scan log the
-    same keys.
-
-    Example::
-
-        >>> key_path("model._orig_mod.h.0.ln_1")
-        'model.h.0.ln_1'
-        >>> key_path("_orig_mod.ln_f/sigma_min")
-        'ln_f/sigma_min'
-    """
-    parts = path.split(".")
-    if _COMPILE_WRAPPER not in parts:
-        return path
-    return ".".join(p for p in parts if p != _COMPILE_WRAPPER)

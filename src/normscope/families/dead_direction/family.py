@@ -17,7 +17,6 @@ from normscope.alerts import (
     SourceCollapseRule,
     default_dead_direction_rules,
 )
-from normscope.families.checks import key_path
 from normscope.families.dead_direction.read import gather_records, solve_window
 from normscope.families.dead_direction.render import format_read_line, format_summary
 from normscope.families.dead_direction.report import (
@@ -29,6 +28,7 @@ from normscope.families.dead_direction.report import (
 from normscope.families.dead_direction.tracker import DeadDirectionTracker
 from normscope.families.dead_direction.window import ReadRecords, ReadWindow
 from normscope.taps.hooks import batch_mask, call_model, compiled, eager_forwards
+from normscope.taps.paths import key_path
 
 if TYPE_CHECKING:
     from normscope.families.dead_direction.config import DeadDirectionConfig

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from normscope._common import fmt
 from normscope.alerts import Alert
-from normscope.families.checks import key_path
 from normscope.families.dead_direction.report import DeadDirectionReport
+from normscope.taps.paths import key_path
 
 __all__ = ["format_read_line", "format_summary", "format_table"]
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from normscope.alerts.sources import classify_collapses, collapse_keys, source_reads
-from normscope.families.checks import key_path
 from normscope.functional.dead_direction import GammaRead, KernelRead, SchurRead
 from normscope.functional.depth import DepthRead
 from normscope.functional.profile import SigmaMinProfile
+from normscope.taps.paths import key_path
 from normscope.taps.residual import ResidualLayout
 
 FAMILY = "dd"  # the key family of the dead-direction reads

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from normscope.families.checks import key_path
 from normscope.functional.sign_magnitude import OutlierRead, ProbeRead, WeightRead
+from normscope.taps.paths import key_path
 
 __all__ = ["FAMILY", "SignMagnitudeReport"]
 
