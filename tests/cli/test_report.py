@@ -25,8 +25,8 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from normscope import DeadDirectionMonitor
 from normscope.cli.report import depth_order
 from normscope.cli.run_alerts import reevaluate_alerts
-from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
-from tests.cli.support import assert_drawn, load_json, png_size, run_cli
+from tests.support.cli import assert_drawn, load_json, png_size, run_cli
+from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
 
 torch.set_num_threads(1)
 
@@ -256,7 +256,7 @@ def test_report_of_a_run_with_sources_shows_them_and_the_classification(tmp_path
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory: pytest.TempPathFactory):
     """Real Hugging Face ``Trainer`` runs (tiny GPT-2, cancelling branch) to W&B and TensorBoard."""
-    from tests.cli.hf_runs import hf_run
+    from tests.support.hf_runs import hf_run
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")

@@ -4,8 +4,8 @@ never alerts on what it cannot read, says why a number is NaN, and reads what it
 
 What is already covered elsewhere is not repeated: NaN/Inf rows and masks of the accumulator
 (tests/functional/test_covariance.py), NaN gamma and too few rows in ``scan_model``
-(tests/monitors/test_scan.py), a model without norms and an unknown layer name for
-``DeadDirectionMonitor`` (tests/callbacks/test_dead_direction_monitor.py).
+(tests/families/test_scan.py), a model without norms and an unknown layer name for
+``DeadDirectionMonitor`` (tests/adapters/test_dead_direction_monitor.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.taps.hooks import call_model
-from tests.reliability.models import (
+from tests.support.reliability_models import (
     DictLM,
     FeatureLM,
     LitTiny,

@@ -18,7 +18,7 @@ from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
 from normscope.families.dead_direction import format_read_line
 from normscope.families.sign_magnitude import SignMagnitudeTracker
-from tests.reliability.models import (
+from tests.support.reliability_models import (
     DDFailingCSVLogger,
     LitSparse,
     LitTiny,

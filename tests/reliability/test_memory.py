@@ -15,7 +15,7 @@ from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
 from normscope.families.dead_direction import DeadDirectionTracker
 from normscope.taps.hooks import TapSet
-from tests.reliability.models import (
+from tests.support.reliability_models import (
     FreeLayerNorm,
     LitTiny,
     TinyLM,

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
-from tests.reliability.models import (
+from tests.support.reliability_models import (
     LitTiny,
     fit,
     logged_steps,

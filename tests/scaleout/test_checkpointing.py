@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule
-from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
+from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
 
 ROWS_PER_STEP = 16 * 16  # one batch of 16 sequences of 16 tokens
 

@@ -34,7 +34,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule
-from tests.callbacks.tiny_models import LitTiny, token_loader
+from tests.support.tiny_models import LitTiny, token_loader
 
 STEPS = 6
 EVERY = 3

@@ -21,7 +21,7 @@ import torch
 
 from normscope import DeadDirectionMonitor
 from normscope.functional import StreamingCovariance, kernel_read
-from tests.callbacks.tiny_models import LitTiny, token_loader
+from tests.support.tiny_models import LitTiny, token_loader
 
 EVERY = 4  # reads after steps 1, 4, 8; the last read holds the rows of step 7
 LAST_WINDOW = 7
