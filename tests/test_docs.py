@@ -19,7 +19,7 @@ from examples import sources
 from normscope import DeadDirectionMonitor, DeadDirectionTracker, SignMagnitudeMonitor
 from normscope.cli.options import report_arguments, scan_arguments
 from normscope.families.sign_magnitude import SignMagnitudeTracker
-from tests.support.reliability_models import fit, read_csv
+from tests.support.fits import fit, read_csv
 from tests.support.tiny_models import LitTiny
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,12 +19,6 @@ from normscope.runs import (
 )
 
 
-@pytest.fixture
-def wandb_offline(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-
-
 def _wandb_run(tmp_path: Path, steps: int, width: int) -> tuple[Path, dict[int, dict[str, float]]]:
     import wandb
 

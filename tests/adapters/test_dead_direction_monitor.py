@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import math
 import warnings
 from pathlib import Path
@@ -15,36 +14,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor
+from tests.support.fits import fit, read_csv, rows_with, wait_for_summary
 from tests.support.tiny_models import LitTiny, NoNormModule, token_loader
-
-
-def fit(
-    tmp_path: Path, module: L.LightningModule, monitor: DeadDirectionMonitor, steps: int = 8, **kw
-):
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        logger=CSVLogger(tmp_path, name="run"),
-        callbacks=[monitor, *kw.pop("callbacks", [])],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=kw.pop("enable_checkpointing", False),
-        num_sanity_val_steps=kw.pop("num_sanity_val_steps", 0),
-        **kw,
-    )
-    trainer.fit(module, train_dataloaders=token_loader(), **({} if "val" not in kw else {}))
-    return trainer
-
-
-def read_csv(trainer: L.Trainer) -> list[dict[str, str]]:
-    path = Path(trainer.logger.log_dir) / "metrics.csv"
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
-def rows_with(rows: list[dict[str, str]], key: str) -> list[dict[str, str]]:
-    return [r for r in rows if r.get(key) not in (None, "")]
 
 
 def test_fit_logs_dd_keys_on_schedule(tmp_path):
@@ -146,7 +117,7 @@ def test_resume_continues_steps(tmp_path):
     torch.manual_seed(0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     first = DeadDirectionMonitor(every_n_steps=2, verbose=False)
-    fit(tmp_path, LitTiny(), first, steps=4, callbacks=[ckpt], enable_checkpointing=True)
+    fit(tmp_path, LitTiny(), [first, ckpt], steps=4, enable_checkpointing=True)
     second = DeadDirectionMonitor(every_n_steps=2, verbose=False)
     trainer = L.Trainer(
         max_steps=8,
@@ -222,13 +193,11 @@ def test_monitor_failure_is_fail_open(tmp_path):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-def test_wandb_offline_run_gets_metrics_profile_and_alert(tmp_path, monkeypatch):
+def test_wandb_offline_run_gets_metrics_profile_and_alert(tmp_path, wandb_offline):
     """A real WandbLogger in offline mode: the run file holds the dd keys, the profile chart,
     and the alert record of a collapse (the full record reader is a later issue's test)."""
     from lightning.pytorch.loggers import WandbLogger
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
     torch.manual_seed(0)
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
     logger = WandbLogger(project="normscope-test", save_dir=str(tmp_path))
@@ -246,8 +215,6 @@ def test_wandb_offline_run_gets_metrics_profile_and_alert(tmp_path, monkeypatch)
     logger.experiment.finish()
     assert monitor.failure is None and not monitor.disabled
     assert monitor.alerts_fired
-    from tests.engine.test_wandb import wait_for_summary
-
     # W&B's finish() can return before its core process has flushed the run file's last
     # 32 KiB block (seen here under load: a 32,768-byte file without the alert record)
     wait_for_summary(Path(tmp_path))

@@ -14,8 +14,8 @@ import transformers
 
 from normscope import DeadDirectionMonitor
 from normscope.adapters.transformers import DeadDirectionCallback
-from tests.engine.test_plain import ours
 from tests.support import loops
+from tests.support.fits import normscope_hooks
 
 
 def _fabric_steps(fabric, model, optimizer, steps: int) -> None:
@@ -43,7 +43,7 @@ def test_a_fabric_watched_model_saves_copies_and_ends_unhooked(recipe):
     bare = loops.gpt2(cancel=False)
     model, optimizer = fabric.setup(bare, torch.optim.SGD(bare.parameters(), lr=loops.LR))
     _fabric_steps(fabric, model, optimizer, 3)
-    assert ours(bare) > 0 and monitor.reads == 1
+    assert normscope_hooks(bare) > 0 and monitor.reads == 1
     buffer = io.BytesIO()
     torch.save(bare, buffer)  # failed before: "Can't pickle local object ... hook"
     buffer.seek(0)
@@ -58,7 +58,7 @@ def test_a_fabric_watched_model_saves_copies_and_ends_unhooked(recipe):
     else:  # the loop ended without on_fit_end, and the Fabric (its optimiser holds the
         del monitor, fabric, model, optimizer  # callbacks) went out of scope
         gc.collect()
-    assert ours(bare) == 0
+    assert normscope_hooks(bare) == 0
 
 
 def _hf_run(tmp, max_steps: int, resume: str | None = None, save_steps: int = 40):

@@ -2,36 +2,23 @@
 
 from __future__ import annotations
 
-import csv
 import math
-from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.families.sign_magnitude import SignMagnitudeTracker, find_block_linears
-from tests.support.tiny_models import LitTiny, TinyLM, token_loader
+from tests.support.fits import fit, read_csv, rows_with
+from tests.support.tiny_models import LitTiny, TinyLM
 
 
 def test_fit_logs_sm_keys(tmp_path):
     torch.manual_seed(0)
     monitor = SignMagnitudeMonitor(every_n_steps=3, verbose=False, alerts=())
-    trainer = L.Trainer(
-        max_steps=6,
-        accelerator="cpu",
-        logger=CSVLogger(tmp_path, name="sm"),
-        callbacks=[monitor],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(LitTiny(norm="rmsnorm"), train_dataloaders=token_loader())
-    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("sm/sign_alignment_mean")]
+    trainer = fit(tmp_path, LitTiny(norm="rmsnorm"), monitor, steps=6, name="sm")
+    rows = rows_with(read_csv(trainer), "sm/sign_alignment_mean")
     assert [int(r["step"]) for r in rows] == [1, 3, 6]
     last = rows[-1]
     layer = "model.h.1.mlp.2"  # the MLP output projection of the last block

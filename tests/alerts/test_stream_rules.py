@@ -17,12 +17,8 @@ from normscope.alerts import (
     SigmaMinRatioRule,
     default_dead_direction_rules,
 )
-from tests.families.test_stream_reads import DecayedGains, MemoryLogger
-from tests.support.tiny_models import LitTiny, TinyLM, cpu_trainer, token_loader
-
-
-def _reads(logger: MemoryLogger) -> list[tuple[int, dict[str, float]]]:
-    return [(s, m) for s, m in logger.calls if "dd/gamma_scale_min" in m]
+from tests.support.fits import MemoryLogger
+from tests.support.tiny_models import DecayedGains, LitTiny, TinyLM, cpu_trainer, token_loader
 
 
 def test_gain_decay_alerts_once_at_the_first_read_under_a_quarter():
@@ -32,7 +28,7 @@ def test_gain_decay_alerts_once_at_the_first_read_under_a_quarter():
     monitor = DeadDirectionMonitor(every_n_steps=5, verbose=False, alerts=())
     trainer = cpu_trainer(31, [monitor], logger=logger, log_every_n_steps=5)
     trainer.fit(module, train_dataloaders=token_loader(n=512))
-    reads = _reads(logger)
+    reads = logger.calls_with("dd/gamma_scale_min")
     first_under = next(s for s, m in reads if m["dd/gamma_scale_min"] < 0.25)
     fired = [(a.rule, a.step) for a in monitor.alerts_fired]
     assert fired == [("norm_gain_drift", first_under)], fired
@@ -71,7 +67,7 @@ def test_a_runaway_stream_scale_alerts_once():
     monitor = DeadDirectionMonitor(every_n_steps=5, verbose=False, alerts=())
     trainer = cpu_trainer(21, [monitor], logger=logger, log_every_n_steps=5)
     trainer.fit(BlowUp(at=7, factor=1000.0), train_dataloaders=token_loader(n=512))
-    reads = dict(_reads(logger))
+    reads = dict(logger.calls_with("dd/gamma_scale_min"))
     # the read after the blow-up: the residual points grow by about the factor (the branches
     # add what they add on top: less than the factor at the deeper points, never 1)
     assert reads[10]["dd/rms_growth_max"] > 300 and reads[5]["dd/rms_growth_max"] < 10

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule
 from normscope.families import dead_direction as read_window
-from tests.adapters.test_dead_direction_monitor import fit, read_csv, rows_with
+from tests.support.fits import fit, read_csv, rows_with
 from tests.support.tiny_models import LitTiny, TinyLM, token_loader
 
 
@@ -187,7 +187,7 @@ def test_a_checkpoint_with_a_read_in_flight_holds_it(tmp_path):
     torch.manual_seed(0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False, async_reads=True)
-    fit(tmp_path, LitTiny(), monitor, steps=4, callbacks=[ckpt], enable_checkpointing=True)
+    fit(tmp_path, LitTiny(), [monitor, ckpt], steps=4, enable_checkpointing=True)
     saved = torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", weights_only=False)
     state = next(v for k, v in saved["callbacks"].items() if k.startswith("DeadDirection"))
     assert state["reads"] == monitor.reads == 2

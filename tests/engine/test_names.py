@@ -6,10 +6,8 @@ canonical ``dd/`` keys, W&B gets both families (and their summaries), ``normscop
 
 from __future__ import annotations
 
-import csv
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,17 +17,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
 from normscope.engine.monitor import canonical_metrics, named_metrics, parse_family
+from tests.support.fits import read_csv
 from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
 
 torch.set_num_threads(1)
 
 FAST_LAYERS = ["model.h.0.ln_1", "model.h.1.ln_2"]
-
-
-def csv_rows(folder: Path) -> list[dict[str, str]]:
-    (path,) = folder.rglob("metrics.csv")
-    with open(path) as f:
-        return list(csv.DictReader(f))
 
 
 def steps_of(rows: list[dict[str, str]], key: str) -> list[int]:
@@ -55,7 +48,7 @@ def two_monitor_run(tmp_path_factory):
 
 def test_two_named_monitors_log_their_own_keys_on_their_own_steps(two_monitor_run):
     folder, fast, full, trainer = two_monitor_run
-    rows = csv_rows(folder)
+    rows = read_csv(folder)
     keys = set(rows[0])
     assert not any(k.startswith(("dd/", "dd.")) for k in keys), "no unnamed dd/ key"
     # the baseline window is step 1 (step 0's forward finds the stream), logged at 2
@@ -149,7 +142,7 @@ def test_rules_see_canonical_keys_and_alerts_name_the_monitor(tmp_path):
     assert alert.key.startswith("dd[watch]/") and alert.title.startswith("normscope[watch]: ")
     assert alert.as_dict()["monitor"] == "DeadDirectionMonitor[watch]"
     assert monitor.alerts_fired[0] == alert
-    assert steps_of(csv_rows(tmp_path / "csv"), alert.key)  # the alert's key is a logged key
+    assert steps_of(read_csv(tmp_path / "csv"), alert.key)  # the alert's key is a logged key
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "a[b", "b]", "a b", "tab\t", 3])
@@ -195,7 +188,7 @@ def test_report_reads_a_named_family(two_monitor_run, tmp_path):
     ]
 
 
-def test_wandb_run_holds_both_families_and_their_summaries(tmp_path, monkeypatch):
+def test_wandb_run_holds_both_families_and_their_summaries(tmp_path, wandb_offline):
     """Two named DeadDirectionMonitors and an unnamed SignMagnitudeMonitor on one offline W&B
     run: every family's keys, and each family's run-level summaries declared (min / max; the
     second monitor's declarations once went missing behind a once-per-run flag)."""
@@ -203,8 +196,6 @@ def test_wandb_run_holds_both_families_and_their_summaries(tmp_path, monkeypatch
 
     from normscope.runs import read_wandb_run
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
     torch.manual_seed(0)
     fast = DeadDirectionMonitor(every_n_steps=1, layers=FAST_LAYERS, name="fast", verbose=False)
     full = DeadDirectionMonitor(every_n_steps=2, name="all", verbose=False, alerts=())
@@ -248,11 +239,11 @@ def test_named_per_source_and_sign_magnitude_families(tmp_path):
     sm = SignMagnitudeMonitor(every_n_steps=2, name="p", probe_layers=(), verbose=False)
     trainer = cpu_trainer(4, [dd, sm], logger=CSVLogger(tmp_path, name="csv"))
     quiet_fit(trainer, LitTiny())
-    keys = set(csv_rows(tmp_path / "csv")[0])
+    keys = set(read_csv(tmp_path / "csv")[0])
     for source in ("even", "odd"):
         assert f"dd[src].{source}/sigma_min_ratio_min" in keys
         assert f"dd[src].{source}/n_rows" in keys
     assert "dd[src]/collapse_class" in keys and "dd[src]/sigma_min_ratio_min" in keys
     assert "sm[p]/sign_alignment_mean" in keys
     assert not any(k.startswith(("dd/", "dd.", "sm/")) for k in keys)
-    assert steps_of(csv_rows(tmp_path / "csv"), "sm[p]/sign_alignment_mean") == [1, 2, 4]
+    assert steps_of(read_csv(tmp_path / "csv"), "sm[p]/sign_alignment_mean") == [1, 2, 4]

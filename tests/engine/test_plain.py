@@ -8,6 +8,7 @@ import torch
 
 from normscope import ConfigurationError, Monitor
 from tests.support import loops
+from tests.support.fits import normscope_hooks
 
 
 def _step(model, optimizer, batch):
@@ -37,7 +38,7 @@ def test_a_failing_read_disables_the_monitor_not_the_loop(monkeypatch):
     batch = next(iter(loops.loader()))
     with watch.step(batch) as discovery:  # residual discovery watches this forward
         _step(model, optimizer, batch)
-    assert discovery.report is None and ours(model) > 0  # the taps, from the step's end
+    assert discovery.report is None and normscope_hooks(model) > 0  # the taps, from the step's end
     with watch.step(batch) as first:
         _step(model, optimizer, batch)
     assert first.report is not None
@@ -53,17 +54,7 @@ def test_a_failing_read_disables_the_monitor_not_the_loop(monkeypatch):
     with watch.step(batch) as third:  # the loop goes on; nothing more is read
         _step(model, optimizer, batch)
     assert third.report is None and watch.steps == 4
-    assert ours(model) == 0  # its hooks are gone
-
-
-def ours(model) -> int:
-    """normscope's hooks on the model's modules."""
-    return sum(
-        "normscope" in getattr(h, "__module__", "")
-        for m in model.modules()
-        for hooks in (m._forward_hooks, m._forward_pre_hooks)
-        for h in hooks.values()
-    )
+    assert normscope_hooks(model) == 0  # its hooks are gone
 
 
 def test_misuse_is_a_clear_error():

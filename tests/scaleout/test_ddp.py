@@ -4,21 +4,15 @@ conftest.py); each rank wrote what it saw as JSON."""
 
 from __future__ import annotations
 
-import csv
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from normscope.runs import read_wandb_run
 from tests.support.expected import assert_reads_equal, floats, single_process_reads
+from tests.support.fits import read_csv
 from tests.support.shards import EXACT_MAX_STEPS, EXACT_STOP, LitDict, shard_batches
-
-
-def _csv_rows(log_dir: str) -> list[dict[str, str]]:
-    with open(Path(log_dir) / "metrics.csv") as f:
-        return list(csv.DictReader(f))
 
 
 def test_reads_equal_the_single_process_reads_on_the_union_of_rows(distributed_run):
@@ -89,7 +83,7 @@ def test_only_rank_zero_writes_the_logs(distributed_run):
     the reduced values; one W&B run, holding the alert."""
     for fit in ("exact", "stop"):
         result = distributed_run["results"][fit, 0]
-        rows = [r for r in _csv_rows(result["log_dir"]) if r.get("dd/sigma_min_ratio_min")]
+        rows = [r for r in read_csv(result["log_dir"]) if r.get("dd/sigma_min_ratio_min")]
         assert [int(r["step"]) for r in rows] == [r["step"] for r in result["reads"]]
         for row, read in zip(rows, result["reads"]):
             assert float(row["dd/model.ln_f/gamma_alignment"]) == float(

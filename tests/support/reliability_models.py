@@ -1,14 +1,10 @@
-"""Real models, data and fit helpers for the reliability tests: what a monitor meets in a long
-run (corrupt rows, padding-only batches, widths that change, sparse inputs, huge activations),
-built on the tiny pre-norm LM of ``tests/support/tiny_models.py``."""
+"""Real models and data for the reliability tests: what a monitor meets in a long run (corrupt
+rows, padding-only batches, widths that change, sparse inputs, huge activations, a logger that
+refuses its keys), built on the tiny pre-norm LM of ``tests/support/tiny_models.py``."""
 
 from __future__ import annotations
 
-import csv
-import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -18,72 +14,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.support.tiny_models import LitTiny, TinyLM, token_loader
+from tests.support.tiny_models import LitTiny, token_loader
 
-# ----------------------------------------------------------------------------- fits and logs
-
-
-def fit(
-    tmp_path: Path,
-    module: L.LightningModule,
-    callbacks: Sequence[L.Callback],
-    *,
-    steps: int,
-    loader: DataLoader | None = None,
-    logger: Any = None,
-    name: str = "run",
-    ckpt_path: str | None = None,
-    **trainer_kw: Any,
-) -> L.Trainer:
-    """A real CPU fit: a CSV logger writing every step, no progress bar, no sanity check."""
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        logger=logger if logger is not None else CSVLogger(tmp_path, name=name),
-        callbacks=list(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=trainer_kw.pop("enable_checkpointing", False),
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
-        **trainer_kw,
-    )
-    extra = {"ckpt_path": ckpt_path} if ckpt_path is not None else {}
-    trainer.fit(module, train_dataloaders=loader or token_loader(), **extra)
-    return trainer
-
-
-def read_csv(trainer: L.Trainer) -> list[dict[str, str]]:
-    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
-        return list(csv.DictReader(f))
-
-
-def rows_with(rows: list[dict[str, str]], key: str) -> list[dict[str, str]]:
-    return [r for r in rows if r.get(key) not in (None, "")]
-
-
-def logged_steps(rows: list[dict[str, str]], key: str) -> list[int]:
-    return [int(r["step"]) for r in rows_with(rows, key)]
-
-
-@contextmanager
-def recorded_warnings() -> Iterator[list[warnings.WarningMessage]]:
-    with warnings.catch_warnings(record=True) as records:
-        warnings.simplefilter("always")
-        yield records
-
-
-def normscope_failures(records: list[warnings.WarningMessage]) -> list[str]:
-    """normscope's own failure warnings (every one starts with ``normscope:``; alerts start with
-    ``normscope alert:`` and are not failures)."""
-    return [str(r.message) for r in records if str(r.message).startswith("normscope:")]
-
-
-def assert_loss_logged_every_step(trainer: L.Trainer, first: int = 0) -> None:
-    """The run's own metrics are complete: ``train/loss`` for every optimiser step."""
-    steps = logged_steps(read_csv(trainer), "train/loss")
-    assert steps == list(range(first, trainer.global_step)), steps
+# ------------------------------------------------------------------------------ a logger
 
 
 class DDFailingCSVLogger(CSVLogger):
@@ -303,21 +236,11 @@ __all__ = [
     "FeatureLM",
     "FreeLayerNorm",
     "LitSparse",
-    "LitTiny",
     "NarrowingLM",
     "NoNormLit",
     "ScaledLM",
-    "TinyLM",
-    "assert_loss_logged_every_step",
     "corrupt_feature_loader",
-    "fit",
-    "logged_steps",
-    "normscope_failures",
     "padded_dict_loader",
-    "read_csv",
-    "recorded_warnings",
     "regression_loader",
-    "rows_with",
     "sparse_loader",
-    "token_loader",
 ]

@@ -1,5 +1,6 @@
-"""Tiny real models and data for the callback tests: a pre-norm transformer LM that trains in
-seconds on a CPU, with an optional cancelling MLP branch (the collapse case)."""
+"""Tiny real models and data for the suite: a pre-norm transformer LM that trains in seconds on a
+CPU, with an optional cancelling MLP branch (the collapse case), one whose norm gains decay, and
+a quiet CPU ``Trainer``."""
 
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ class TinyLM(nn.Module):
         block.cancel = strength
 
 
+TINY_NORMS = ("h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2", "ln_f")  # TinyLM's, at 2 layers
+
+
 class LitTiny(L.LightningModule):
     def __init__(
         self,
@@ -96,6 +100,30 @@ class LitTiny(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class DecayedGains(LitTiny):
+    """Strong decoupled weight decay on the norm gains; keeps each step's gains before its
+    forward (what the window's read uses)."""
+
+    def __init__(self, gain_wd: float) -> None:
+        super().__init__(lr=3e-3)
+        self.gain_wd = gain_wd
+        self.gains: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.gains[self.global_step] = {
+            f"model.{n}": self.model.get_submodule(n).weight.detach().double().clone()
+            for n in TINY_NORMS
+        }
+
+    def configure_optimizers(self):
+        gains = [self.model.get_submodule(n).weight for n in TINY_NORMS]
+        ids = {id(p) for p in gains}
+        rest = [p for p in self.parameters() if id(p) not in ids]
+        return torch.optim.AdamW(
+            [{"params": rest}, {"params": gains, "weight_decay": self.gain_wd}], lr=self.hparams.lr
+        )
 
 
 def token_loader(

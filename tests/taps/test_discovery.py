@@ -9,54 +9,37 @@ model with no block stack says so once and logs ``dd/profile_points`` = 0.
 
 from __future__ import annotations
 
-import csv
 import math
-import warnings
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from normscope import DeadDirectionMonitor
 from normscope.taps.residual import ResidualDiscovery, find_residual_points
+from tests.support.fits import fit, read_csv, recorded_warnings, rows_with
 from tests.support.tiny_models import Block, LitTiny, token_loader
 
 D, HEADS, LAYERS, VOCAB = 16, 2, 2, 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def fit(tmp_path: Path, module: L.LightningModule, monitor: DeadDirectionMonitor, steps: int):
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        logger=CSVLogger(tmp_path, name="run"),
-        callbacks=[monitor],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, train_dataloaders=token_loader(vocab=VOCAB))
+def fit_warned(
+    tmp_path: Path, module: L.LightningModule, monitor: DeadDirectionMonitor, steps: int
+):
+    """``fit`` on ``token_loader(vocab=VOCAB)``: the trainer and every warning's message."""
+    with recorded_warnings() as caught:
+        trainer = fit(tmp_path, module, monitor, steps=steps, loader=token_loader(vocab=VOCAB))
     return trainer, [str(w.message) for w in caught]
 
 
 def reads(trainer: L.Trainer, key: str = "dd/profile_points") -> list[dict[str, str]]:
-    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
-        return [r for r in csv.DictReader(f) if r.get(key) not in (None, "")]
+    return rows_with(read_csv(trainer), key)
 
 
 def cancel_projector(d: int, rank: int = 8, seed: int = 0) -> torch.Tensor:
@@ -199,7 +182,7 @@ PRE_NORM_SUBLAYERS = [None, "attn", "mlp", "attn", "mlp"]
 def test_module_without_forward_gets_a_profile(tmp_path):
     torch.manual_seed(0)
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
-    trainer, caught = fit(tmp_path, NoForward(), monitor, steps=6)
+    trainer, caught = fit_warned(tmp_path, NoForward(), monitor, steps=6)
     assert not [m for m in caught if "residual profile disabled" in m], caught
     layout = monitor.tracker.layout
     assert [p.sublayer for p in layout.points] == PRE_NORM_SUBLAYERS
@@ -222,7 +205,7 @@ def test_module_without_forward_alerts_on_a_cancelling_branch(tmp_path):
     monitor = DeadDirectionMonitor(
         every_n_steps=2, alerts=(caught_alerts.append,), stop_on_alert=True, verbose=False
     )
-    trainer, _ = fit(tmp_path, NoForward(cancel_at_step=4), monitor, steps=20)
+    trainer, _ = fit_warned(tmp_path, NoForward(cancel_at_step=4), monitor, steps=20)
     assert caught_alerts, "the cancelling branch must raise an alert"
     alert = caught_alerts[0]
     assert alert.rule == "sigma_min_collapse"
@@ -235,7 +218,7 @@ def test_module_without_forward_alerts_on_a_cancelling_branch(tmp_path):
 def test_scaled_branches_are_found_sublayer_by_sublayer(tmp_path, scale):
     torch.manual_seed(0)
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
-    trainer, caught = fit(tmp_path, Scaled(scale), monitor, steps=2)
+    trainer, caught = fit_warned(tmp_path, Scaled(scale), monitor, steps=2)
     layout = monitor.tracker.layout
     assert layout.fallback is None, layout.fallback
     assert [p.sublayer for p in layout.points] == PRE_NORM_SUBLAYERS, layout
@@ -256,7 +239,7 @@ def test_scaled_branch_models_alert_on_a_cancelling_branch(tmp_path, scale):
     monitor = DeadDirectionMonitor(
         every_n_steps=2, alerts=(alerts.append,), stop_on_alert=True, verbose=False
     )
-    fit(tmp_path, Scaled(scale, cancel_at_step=4), monitor, steps=20)
+    fit_warned(tmp_path, Scaled(scale, cancel_at_step=4), monitor, steps=20)
     assert alerts and alerts[0].rule == "sigma_min_collapse", alerts
     assert alerts[0].sublayer == "mlp" and alerts[0].step >= 5
 
@@ -267,7 +250,7 @@ def test_a_branch_no_module_computes_falls_back_to_block_boundaries(tmp_path):
     monitor = DeadDirectionMonitor(
         every_n_steps=2, alerts=(alerts.append,), stop_on_alert=True, verbose=False
     )
-    trainer, caught = fit(tmp_path, Matmul(cancel_at_step=4), monitor, steps=20)
+    trainer, caught = fit_warned(tmp_path, Matmul(cancel_at_step=4), monitor, steps=20)
     said = [m for m in caught if "block boundaries" in m]
     assert len(said) == 1, caught  # said once
     assert "h.0.ln_2" in said[0] and "x + x @ A" in said[0]
@@ -287,7 +270,7 @@ def test_a_branch_no_module_computes_falls_back_to_block_boundaries(tmp_path):
 def test_no_block_stack_says_so_once_and_logs_zero_points(tmp_path):
     torch.manual_seed(0)
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
-    trainer, caught = fit(tmp_path, NoStack(), monitor, steps=4)
+    trainer, caught = fit_warned(tmp_path, NoStack(), monitor, steps=4)
     said = [m for m in caught if "residual profile disabled" in m]
     assert len(said) == 1, caught
     assert "no block stack" in said[0]
@@ -309,7 +292,7 @@ def test_example_forward_keeps_the_separate_discovery_forward(tmp_path):
         return module(batch[0])
 
     monitor = DeadDirectionMonitor(every_n_steps=4, example_forward=example_forward, verbose=False)
-    trainer, caught = fit(tmp_path, LitTiny(), monitor, steps=8)
+    trainer, caught = fit_warned(tmp_path, LitTiny(), monitor, steps=8)
     assert calls == [False]  # once, under no_grad
     rows = reads(trainer)
     assert [int(r["step"]) for r in rows] == [1, 4, 8]  # the baseline is step 0's window
