@@ -1,5 +1,5 @@
 """One sampled read stays inside a few files of the upper floors (``benchmarks/trace_read.py``):
-at most 6 normscope files outside ``functional/``, a longest chain of at most 7 cross-file hops,
+at most 7 normscope files outside ``functional/``, a longest chain of at most 7 cross-file hops,
 and no call back into a file already left."""
 
 from __future__ import annotations
