@@ -78,9 +78,12 @@ RULES = {
 
 
 def _v1_view(metrics: dict[str, float]) -> dict[str, float]:
-    """A read as version 1's rule saw it: the ratios alone (no intervals, no rows)."""
+    """A read as version 1's rule saw it: the ratios alone (no rows), each its own interval."""
     drop = ("_lo", "_hi", "/rows_per_dim")
-    return {k: v for k, v in metrics.items() if not k.endswith(drop)}
+    out = {k: v for k, v in metrics.items() if not k.endswith(drop)}
+    for key in [k for k in out if k.endswith(("/sigma_min_ratio", "/sigma_min_step"))]:
+        out[f"{key}_lo"] = out[f"{key}_hi"] = out[key]
+    return out
 
 
 def _block_point(metrics: dict[str, float], block: int, layers: int) -> str | None:

@@ -6,7 +6,8 @@ step that is read, a profiler records every call made in a normscope source file
 monitor's ``on_train_batch_start`` (the training forward and its hooks included) to the end of
 its ``on_train_batch_end``, where the logger's ``log_metrics`` has run. Printed:
 
-* the calls and the files they ran in (outside ``functional/``: the upper floors);
+* the calls and the files they ran in (outside ``functional/``: the upper floors), and the
+  packages those files belong to (a family's package counts once: ``families/dead_direction``);
 * the longest chain of cross-file hops: along one call stack, a call from a normscope frame in
   file A into one in file B != A is a hop (frames of other packages in between are skipped);
 * hops back: a call into a file already on its stack, left before (``A -> B -> A``).
@@ -130,12 +131,20 @@ def trace_read(tmp: Path, every: int = 10) -> Trace:
     return trace
 
 
+def package_of(path: str) -> str:
+    """The package a file of normscope belongs to: its folder (``families/dead_direction``,
+    ``engine``), ``normscope`` for the top-level modules."""
+    folder = os.path.dirname(path)
+    return folder if folder else "normscope"
+
+
 def summary(trace: Trace) -> dict[str, Any]:
     upper = {f: n for f, n in trace.files.items() if not f.startswith("functional/")}
     return {
         "calls": trace.calls,
         "files": len(trace.files),
         "files_outside_functional": sorted(upper),
+        "packages_outside_functional": sorted({package_of(f) for f in upper}),
         "longest_hops": max(len(trace.longest) - 1, 0),
         "longest_chain": list(trace.longest),
         "hops_back": sorted(" -> ".join(c) for c in trace.back),
@@ -153,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         trace = trace_read(Path(tmp))
     s = summary(trace)
     print(f"one sampled read: {s['calls']} normscope calls in {s['files']} files")
+    packages = s["packages_outside_functional"]
+    print(f"packages outside functional/ ({len(packages)}): {', '.join(packages)}")
     print(f"files outside functional/ ({len(s['files_outside_functional'])}):")
     for f in s["files_outside_functional"]:
         print(f"  {f:40s} {trace.files[f]:5d} calls")

@@ -20,6 +20,7 @@ _LAZY = {
     "DeadDirectionTracker": "normscope.families",
     "DeadDirectionReport": "normscope.families",
     "SignMagnitudeTracker": "normscope.families",
+    "SignMagnitudeConfig": "normscope.families",
     "scan_model": "normscope.families",
     "NormscopeError": "normscope._common",
     "ConfigurationError": "normscope._common",

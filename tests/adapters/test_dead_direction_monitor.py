@@ -276,7 +276,7 @@ def test_a_read_that_costs_more_than_overhead_warn_says_which_cadence_would_not(
     assert len(cost) == 1, cost  # once, not once per read
     suggested = int(re.search(r"every_n_steps=(\d+) keeps it under", cost[0]).group(1))
     assert suggested > 3
-    assert noisy._plain_steps >= 20 and not noisy.disabled
+    assert noisy.engine.cost.plain_steps >= 20 and not noisy.disabled
     quiet = cls(every_n_steps=3, overhead_warn=1e9, verbose=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

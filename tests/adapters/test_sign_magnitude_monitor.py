@@ -8,8 +8,12 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
-from normscope.families.sign_magnitude import SignMagnitudeTracker, find_block_linears
+from normscope import ConfigurationError, DeadDirectionMonitor, Monitor, SignMagnitudeMonitor
+from normscope.families.sign_magnitude import (
+    SignMagnitudeConfig,
+    SignMagnitudeTracker,
+    find_block_linears,
+)
 from tests.support.fits import fit, read_csv, rows_with
 from tests.support.tiny_models import LitTiny, TinyLM
 
@@ -59,7 +63,9 @@ def test_probe_restores_every_parameter_bit_exactly():
     opt_state = {
         k: {n: t.clone() for n, t in v.items() if torch.is_tensor(t)} for k, v in opt.state.items()
     }
-    tracker = SignMagnitudeTracker(model, probe_layers=["h.0.mlp.2", "h.1.mlp.2"])
+    tracker = SignMagnitudeTracker(
+        model, SignMagnitudeConfig(probe_layers=["h.0.mlp.2", "h.1.mlp.2"])
+    )
     tracker.attach()
     report = tracker.read(0, probe=lambda: model(x))
     assert set(report.probes) == {"h.0.mlp.2", "h.1.mlp.2"}
@@ -87,7 +93,37 @@ def test_bad_arguments():
     with pytest.raises(MisconfigurationException, match="flip_rate"):
         SignMagnitudeMonitor(flip_rate=1.5)
     with pytest.raises(ValueError, match="available"):
-        SignMagnitudeTracker(TinyLM(), layers=["nope"])
+        SignMagnitudeTracker(TinyLM(), SignMagnitudeConfig(layers=["nope"]))
+
+
+@pytest.mark.parametrize(
+    ("option", "bad"),
+    [
+        ("flip_rate", 0.0),
+        ("probe_samples", 0),
+        ("max_leverage_alert", 1.0),
+        ("churn_spike_factor", 0.5),
+        ("min_churn", -0.1),
+        ("example_forward", "model"),
+        ("probe_layers", "h.0.mlp.2"),
+        ("layers", "h.0.mlp.0"),
+    ],
+)
+def test_the_config_checks_each_option_once_naming_it(option, bad):
+    """``SignMagnitudeConfig`` refuses a bad option when it is made; the callback builds one
+    from its arguments and raises the same message as Lightning's exception."""
+    with pytest.raises(ConfigurationError, match=f"SignMagnitudeMonitor: {option} must be"):
+        SignMagnitudeConfig(**{option: bad})
+    with pytest.raises(MisconfigurationException, match=f"{option} must be"):
+        SignMagnitudeMonitor(**{option: bad})
+
+
+def test_the_plain_loop_factory_takes_the_config():
+    config = SignMagnitudeConfig(probe_layers=(), max_leverage_alert=None)
+    monitor = Monitor.of(config, TinyLM(), every_n_steps=3, alerts=())
+    assert monitor.family.config is config and monitor.every_n_steps == 3
+    assert [r.name for r in monitor.rules] == ["sign_churn_spike"]
+    assert monitor.tracker.probe_layers == [] and monitor.tracker.config is config
 
 
 @pytest.mark.parametrize("monitor", [SignMagnitudeMonitor, DeadDirectionMonitor])

@@ -100,6 +100,9 @@ def test_alert_title_fits_wandb_and_as_dict_is_complete() -> None:
         "sublayer",
         "monitor",
         "message",
+        "remedy",
+        "event",
+        "paged",
     }
 
 

@@ -11,8 +11,7 @@ import math
 import pytest
 import torch
 
-from normscope.alerts import SigmaMinRatioRule
-from normscope.alerts.rules import below_floor
+from normscope.alerts import SigmaMinRatioRule, below_floor
 from normscope.functional.profile import sigma_min_profile
 
 
@@ -48,11 +47,13 @@ def test_a_read_from_few_rows_does_not_alert_where_many_rows_would():
     assert rule.evaluate(near, step=1) == [] and rule.undecided == {"p1": "not_confident"}
 
 
-def test_a_log_without_intervals_is_judged_on_the_ratio():
-    """Logs written before the intervals existed (no _hi keys, no rows_per_dim): the ratio
-    itself decides, as it did then."""
-    old = {"dd/p1/sigma_min_step": 0.5, "dd/p1/sigma_min_ratio": 0.9}
-    assert [a.point for a in SigmaMinRatioRule().evaluate(old, step=3)] == ["p1"]
+def test_a_ratio_without_interval_or_rows_does_not_decide():
+    """A ratio logged with neither its interval (``_hi``) nor the rows behind it cannot be
+    judged: no alert, the point is undecided."""
+    bare = {"dd/p1/sigma_min_step": 0.5, "dd/p1/sigma_min_ratio": 0.9}
+    rule = SigmaMinRatioRule()
+    assert rule.evaluate(bare, step=3) == []
+    assert rule.undecided == {"p1": "too_few_rows_for_bounds"}
 
 
 def test_the_source_classification_decides_as_the_rule():

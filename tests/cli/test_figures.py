@@ -39,6 +39,7 @@ REPORT_FILES = (
     "alignment.png",
     "gamma.png",
     "schur.png",
+    "timeline.png",  # drawn when the run alerted or a read left its band
 )
 RMS_ONLY = {"rmsnorm", "rank-deficient"}
 

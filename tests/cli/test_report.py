@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from normscope import DeadDirectionMonitor
+from normscope.alerts import alert_text
 from normscope.cli.report import depth_order
 from normscope.cli.run_alerts import reevaluate_alerts
 from tests.support.cli import assert_drawn, load_json, png_size, run_cli
@@ -77,18 +78,21 @@ def csv_report(collapsed_run, tmp_path_factory: pytest.TempPathFactory):
     return code, stdout, stderr, out
 
 
-def check_files(out: Path, result: dict) -> None:
-    for name in (*RUN_PNGS, "report.md", "report.html", "report.json"):
+def check_files(
+    out: Path, result: dict, pngs: tuple[str, ...] = (*RUN_PNGS, "timeline.png")
+) -> None:
+    """The report's files; ``pngs``: the figures it must hold (an alerting run's timeline too)."""
+    for name in (*pngs, "report.md", "report.html", "report.json"):
         assert (out / name).is_file() and name in result["files"], name
-    for name in RUN_PNGS:
+    for name in pngs:
         width, height = png_size(out / name)
         assert 600 <= width <= 2000 and 300 <= height <= 2000, (name, width, height)
         assert_drawn(out / name)
     page = (out / "report.html").read_text()
     sources = re.findall(r'src="([^"]+)"', page)
-    assert len(sources) == len(RUN_PNGS)
+    assert len(sources) == len(pngs)
     assert {base64.b64decode(s.split(",", 1)[1]) for s in sources} == {
-        (out / n).read_bytes() for n in RUN_PNGS
+        (out / n).read_bytes() for n in pngs
     }
 
 
@@ -127,7 +131,9 @@ def test_wandb_run_shows_its_alert_records(collapsed_run, csv_report, tmp_path: 
     assert result["alerts"], "the alert record of the run"
     alert = result["alerts"][0]
     assert alert["origin"] == "logged" and alert["title"] == first.title
-    assert alert["text"] == first.message and alert["step"] == float(first.step)
+    # the W&B text is the message and what to try (issue 43)
+    assert alert["text"] == alert_text(first) and alert["step"] == float(first.step)
+    assert first.remedy and alert["text"].endswith(f" -- try: {first.remedy}")
     check_files(tmp_path / "wandb", result)
     # the same reads as the CSV log of the same fit
     from_csv = load_json(csv_report[3] / "report.json")
@@ -147,6 +153,8 @@ def test_healthy_run_has_no_alert(tmp_path: Path) -> None:
     assert code == 0, stderr
     assert load_json(tmp_path / "out" / "report.json")["alerts"] == []
     assert "no alert" in stdout
+    assert "timeline: healthy: no read left its band" in stdout  # one line, no timeline.png
+    assert "timeline.png" not in load_json(tmp_path / "out" / "report.json")["files"]
     # no alert column, and no empty cell in the reads table (it had an unnamed last column)
     md = (tmp_path / "out" / "report.md").read_text().splitlines()
     table = [line for line in md if line.startswith("| ") and line[2:3].isdigit()]

@@ -119,7 +119,7 @@ class _Boom(LitTiny):
     def training_step(self, batch, batch_idx):
         if self.global_step == self.at:
             monitor = next(c for c in self.trainer.callbacks if isinstance(c, DeadDirectionMonitor))
-            self.in_flight = monitor._pending is not None and bool(_workers())
+            self.in_flight = monitor.in_flight.pending is not None and bool(_workers())
             raise self.error("boom")
         return super().training_step(batch, batch_idx)
 
@@ -139,7 +139,7 @@ def test_no_thread_is_left_behind_on_an_exception(tmp_path, monkeypatch, error):
     with pytest.raises(SystemExit if error is KeyboardInterrupt else RuntimeError):
         trainer.fit(module, train_dataloaders=token_loader())
     assert module.in_flight
-    assert monitor._pending is None and not monitor._worker.pending
+    assert monitor.in_flight.pending is None and not monitor.in_flight.worker.pending
     assert not _workers()
 
 

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
-from normscope.engine.monitor import canonical_metrics, named_metrics, parse_family
+from normscope.engine.keys import canonical_metrics, named_metrics, parse_family
 from tests.support.fits import read_csv
 from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
 

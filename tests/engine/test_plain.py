@@ -120,3 +120,38 @@ def test_fabric_sharded_strategies_are_refused():
         strategy = cls.__new__(cls)  # DeepSpeed is not installed: no __init__
         with pytest.raises(ConfigurationError, match="not supported.*sharded"):
             check_fabric_strategy(SimpleNamespace(strategy=strategy), "DeadDirectionMonitor")
+
+
+def test_fabric_refuses_what_the_trainer_refuses_for_the_same_family():
+    """FSDP2 (Fabric's ``ModelParallelStrategy``) is refused for the sign-magnitude family and
+    kept for the dead-direction one, as under the Trainer (``check_strategy``); tensor
+    parallelism is refused for both. Through the callback path, the refusal is a
+    ``MisconfigurationException`` at the first batch."""
+    from types import SimpleNamespace
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from normscope import SignMagnitudeMonitor
+    from normscope.adapters.fabric import check_fabric_strategy
+
+    def strategy(tp: int) -> ModelParallelStrategy:
+        return ModelParallelStrategy(
+            lambda m, mesh: m, data_parallel_size=2, tensor_parallel_size=tp
+        )
+
+    fsdp2 = SimpleNamespace(strategy=strategy(1))
+    check_fabric_strategy(fsdp2, "DeadDirectionMonitor")  # accepted, as under the Trainer
+    with pytest.raises(ConfigurationError, match="SignMagnitudeMonitor: .*whole nn.Linear"):
+        check_fabric_strategy(fsdp2, "SignMagnitudeMonitor", fsdp2=False)
+    with pytest.raises(ConfigurationError, match="tensor parallelism is untested"):
+        check_fabric_strategy(SimpleNamespace(strategy=strategy(2)), "DeadDirectionMonitor")
+
+    fabric = Fabric.__new__(Fabric)  # no launch: only its strategy is read before the refusal
+    fabric._strategy = strategy(1)
+    monitor = SignMagnitudeMonitor(verbose=False, alerts=())
+    batch = next(iter(loops.loader()))
+    with pytest.raises(MisconfigurationException, match="ModelParallelStrategy is not supported"):
+        monitor.on_train_batch_start(fabric, loops.llama(), batch, 0)
+    assert monitor.tracker is None

@@ -110,7 +110,7 @@ def test_log_per_layer_on_32_layers():
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
     from normscope import Monitor
-    from normscope.engine.monitor import select_layers
+    from normscope.engine.publish import select_layers
     from tests.support.tiny_models import TinyLM
 
     torch.manual_seed(0)

@@ -11,9 +11,13 @@ import torch
 
 from examples import sources as example
 from normscope import DeadDirectionTracker, Monitor, scan_model
-from normscope.alerts import SigmaMinRatioRule, SourceCollapseRule
-from normscope.alerts.rules import below_floor, classify_collapses
-from normscope.engine.monitor import select_layers
+from normscope.alerts import (
+    SigmaMinRatioRule,
+    SourceCollapseRule,
+    below_floor,
+    classify_collapses,
+)
+from normscope.engine.publish import select_layers
 from normscope.families.budget import tap_cost as _tap_cost
 from normscope.functional import StreamingCovariance
 from normscope.taps.hooks import call_model
@@ -123,7 +127,8 @@ def test_classification_distribution_dependent_and_intrinsic():
 
 
 def test_threshold_read_from_the_rule_object():
-    values = {"sigma_min_ratio": 0.7, "sigma_min_step": 0.75}
+    # rows enough for a narrow interval: the threshold alone decides
+    values = {"sigma_min_ratio": 0.7, "sigma_min_step": 0.75, "n_rows": 1e6, "rows_per_dim": 1e4}
     assert below_floor(values, SigmaMinRatioRule(tolerance=0.2)) is True  # threshold 0.8
     assert below_floor(values) is False  # the default threshold, 0.6
     assert below_floor({"sigma_min_ratio": math.nan, "sigma_min_step": math.nan}) is None

@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
 from normscope.families.dead_direction import format_read_line
-from normscope.families.sign_magnitude import SignMagnitudeTracker
+from normscope.families.sign_magnitude import SignMagnitudeConfig, SignMagnitudeTracker
 from tests.support.fits import (
     assert_loss_logged_every_step,
     fit,
@@ -57,7 +57,7 @@ def assert_run_intact(trainer: L.Trainer, tmp_path: Path, monitor: L.Callback) -
 
 def test_failing_sink_and_rule_cost_only_themselves(tmp_path):
     """A pager that raises is removed after its first alert, a rule that raises is disabled;
-    the other sink still gets every alert and the monitor reads to the end."""
+    the other sink still gets every page and the monitor reads to the end."""
     torch.manual_seed(0)
     pager_calls, delivered = [], []
 
@@ -85,8 +85,11 @@ def test_failing_sink_and_rule_cost_only_themselves(tmp_path):
     assert sum("sink" in f and "pager" in f and "unreachable" in f for f in failures) == 1
     assert sum("rule 'broken'" in f and "KeyError" in f for f in failures) == 1
     assert len(pager_calls) == 1  # removed after its first failure
-    # every read's heartbeat, still delivered (baseline window 1: step 0 is discovery's)
-    assert [a.step for a in delivered] == [2, 4, 6]
+    # the other sink still gets the page; the heartbeat's later reads are the same rule in the
+    # same event: counted, not paged (issue 43), and every read's heartbeat is in the record
+    # (baseline window 1: step 0 is discovery's)
+    assert [a.step for a in delivered] == [2]
+    assert [(a.step, a.paged) for a in monitor.alerts_fired] == [(2, True), (4, False), (6, False)]
     assert not monitor.disabled and monitor.reads == 3
     state = assert_run_intact(trainer, tmp_path, monitor)
     assert len(state["alerts_fired"]) == 3
@@ -243,7 +246,9 @@ def test_a_probe_failing_mid_perturbation_restores_the_weight_and_costs_that_lay
     model = TinyLM(norm="rmsnorm")
     x = torch.randint(0, 32, (4, 16))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    tracker = SignMagnitudeTracker(model, probe_layers=["h.0.mlp.2", "h.1.mlp.2"])
+    tracker = SignMagnitudeTracker(
+        model, SignMagnitudeConfig(probe_layers=["h.0.mlp.2", "h.1.mlp.2"])
+    )
     tracker.attach()
     calls = []
 

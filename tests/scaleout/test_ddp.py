@@ -130,7 +130,7 @@ def test_sign_magnitude_outlier_reads_cover_every_rank(distributed_run):
     (one all-reduce after the window's handshake), so both ranks log the same outlier reads,
     equal to one process fed both ranks' rows of the window (step 5) with the same weights
     (float64 sums in another order: 1e-10). Weights are replicated: their reads match too."""
-    from normscope import SignMagnitudeTracker
+    from normscope import SignMagnitudeConfig, SignMagnitudeTracker
     from tests.support.distributed_fits import SM_STEPS
 
     r0, r1 = (distributed_run["results"]["sm", rank] for rank in (0, 1))
@@ -140,7 +140,7 @@ def test_sign_magnitude_outlier_reads_cover_every_rank(distributed_run):
     module = LitDict(lr=0.0)
     module.load_state_dict(torch.load(distributed_run["out"] / "sm_weights.pt"))
     module.train()
-    tracker = SignMagnitudeTracker(module)
+    tracker = SignMagnitudeTracker(module, SignMagnitudeConfig())
     tracker.attach()
     tracker.gate.open = True
     with torch.no_grad():

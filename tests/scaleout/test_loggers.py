@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 from normscope import DeadDirectionMonitor
-from normscope.alerts import CallableRule
+from normscope.alerts import CallableRule, alert_text
 from normscope.runs import read_csv_run, read_tensorboard_run, read_wandb_run
 from tests.support.tiny_models import LitTiny, token_loader
 
@@ -131,7 +131,7 @@ def test_wandb_run_file_holds_the_reads_and_the_alert(logged_fit):
     assert len(log.alerts) == 1  # WandbSink rate-limits per (rule, key): 60 s
     alert = log.alerts[0]
     assert alert["title"] == fired.title == "normscope: sigma_min_collapse at mlp"
-    assert alert["text"] == fired.message
+    assert alert["text"] == alert_text(fired)  # the message and what to try (issue 43)
     assert alert["step"] == fired.step == 4
     assert alert["level"] == "WARN"
 

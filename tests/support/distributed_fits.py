@@ -288,7 +288,7 @@ class FailOnRank1(LitTiny):
             if self.what == "as_dict":
                 DeadDirectionReport.as_dict = broken
             elif self.what == "result":  # async_reads: the worker's result, before the gather
-                self.monitor._worker.result = broken
+                self.monitor.in_flight.worker.result = broken
             else:
                 setattr(self.monitor.tracker, self.what, broken)
 

@@ -168,14 +168,16 @@ def monitor_args(family: str) -> dict[str, Any]:
 def run_plain(family: str = "dd") -> tuple[dict[int, dict[str, float]], list[Any]]:
     """``monitor.step(batch)`` (the engine, no adapter) around each optimiser step, ``log=`` a
     function."""
-    from normscope import Monitor
+    from normscope import Monitor, SignMagnitudeConfig
 
     model = model_for(family)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    build = Monitor.dead_direction if family == "dd" else Monitor.sign_magnitude
     reads: dict[int, dict[str, float]] = {}
     log = lambda m, step: reads.__setitem__(step, family_only(m, family))  # noqa: E731
-    monitor = build(model, log=log, **monitor_args(family))
+    if family == "dd":
+        monitor = Monitor.dead_direction(model, log=log, **monitor_args(family))
+    else:
+        monitor = Monitor.of(SignMagnitudeConfig(), model, log=log, **monitor_args(family))
     alerts: list[Any] = []
     for _, batch in zip(range(STEPS), _repeat(loader())):
         with monitor.step(batch) as result:

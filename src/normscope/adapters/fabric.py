@@ -41,7 +41,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from normscope._common import ConfigurationError
 from normscope.engine import Monitor, StepResult, Target
 
-__all__ = ["FabricLoop", "is_fabric", "watch_fabric"]
+__all__ = [
+    "FabricLoop",
+    "check_fabric_strategy",
+    "is_fabric",
+    "tensor_parallel_size",
+    "watch_fabric",
+]
 
 
 def is_fabric(obj: Any) -> bool:
@@ -67,8 +73,6 @@ def _precision(fabric: Any) -> str:
 
 
 def _targets(fabric: Any) -> list[Target]:
-    from lightning.fabric.loggers import Logger  # noqa: F401 - Fabric's loggers are Lightning's
-
     targets = []
     for lg in fabric.loggers:
         if type(lg).__name__ == "WandbLogger" and hasattr(lg, "experiment"):
@@ -80,17 +84,48 @@ def _targets(fabric: Any) -> list[Target]:
     return targets
 
 
-def check_fabric_strategy(fabric: Any, kind: str) -> None:
-    """Refuse Fabric's FSDP and DeepSpeed strategies (:class:`ConfigurationError`)."""
-    from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy
+def check_fabric_strategy(fabric: Any, kind: str, *, fsdp2: bool = True) -> None:
+    """Refuse what :func:`~normscope.adapters.lightning.check_strategy` refuses under the
+    Trainer, for Fabric's strategies: FSDP (1) and DeepSpeed always, ``ModelParallelStrategy``
+    with tensor parallelism, and FSDP2 for a family that cannot read it (``fsdp2=False``).
+
+    Raises:
+        ConfigurationError: naming the strategy, why, and what is supported.
+    """
+    from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
     strategy = fabric.strategy
+    why = None
     if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
-        raise ConfigurationError(
-            f"{kind}: Fabric's {type(strategy).__name__} is not supported: it keeps parameters "
-            "sharded where the monitor reads them. Supported under Fabric: one device and DDP "
-            "(strategy='ddp', 'ddp_spawn')."
+        why = "it keeps parameters sharded where the monitor reads them"
+    elif isinstance(strategy, ModelParallelStrategy) and not fsdp2:
+        why = (
+            "its weight and probe reads take whole nn.Linear weights, and FSDP2 / tensor "
+            "parallelism shard them as DTensors"
         )
+    elif isinstance(strategy, ModelParallelStrategy) and tensor_parallel_size(strategy) > 1:
+        why = (
+            "tensor parallelism is untested: the reads reduce over every process, so rows that "
+            "tensor-parallel peers share would be counted once per peer"
+        )
+    if why is not None:
+        supported = "one device and DDP (strategy='ddp', 'ddp_spawn')"
+        if fsdp2:
+            supported += "; FSDP2 (ModelParallelStrategy(..., tensor_parallel_size=1))"
+        raise ConfigurationError(
+            f"{kind}: Fabric's {type(strategy).__name__} is not supported: {why}. Supported "
+            f"under Fabric: {supported}."
+        )
+
+
+def tensor_parallel_size(strategy: Any) -> int:
+    """The tensor-parallel size of a (Fabric or Lightning) ``ModelParallelStrategy``: its
+    mesh's, or before the mesh exists the size asked for (``"auto"``: devices per node)."""
+    try:
+        return int(strategy.device_mesh["tensor_parallel"].size())
+    except (RuntimeError, KeyError):
+        size = strategy._tensor_parallel_size
+        return size if isinstance(size, int) else 2
 
 
 def watch_fabric(fabric: Any, model: nn.Module, monitor: Monitor | None = None, **options: Any):
@@ -112,7 +147,7 @@ def watch_fabric(fabric: Any, model: nn.Module, monitor: Monitor | None = None, 
         monitor.close()
     """
     engine = monitor if monitor is not None else Monitor.dead_direction(**options)
-    check_fabric_strategy(fabric, engine.family.kind)
+    check_fabric_strategy(fabric, engine.family.kind, fsdp2=engine.family.fsdp2)
     engine.watch(
         _unwrap(model), log=_targets(fabric), device=fabric.device, precision=_precision(fabric)
     )
@@ -152,38 +187,43 @@ class _OptimizerSteps:
 
 
 class FabricLoop:
-    """The callback path: a monitor's hooks called by ``fabric.call`` drive its engine. Built
-    by the monitor at the first such call."""
+    """The callback path under Fabric: the monitor's hooks, called by ``fabric.call`` with the
+    Fabric in the trainer's place, drive its engine through this object (the monitor makes one
+    at the first such call; the engine watches the model at the first batch)."""
 
-    def __init__(self, fabric: Any, model: nn.Module, engine: Monitor, *, fsdp2: bool = True):
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"normscope: {engine.label} under Fabric needs the model: call "
-                "fabric.call('on_train_batch_start', fabric, model, batch, batch_idx) as "
-                "Lightning's hook signature says"
-            )
+    def __init__(self, fabric: Any, engine: Monitor) -> None:
+        self.fabric = fabric
         self.engine = engine
-        self.model = _unwrap(model)
-        if engine.tracker is None and not engine.disabled:
-            try:
-                watch_fabric(fabric, self.model, engine)
-            except ConfigurationError as err:
-                from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-                raise MisconfigurationException(str(err)) from err
-        self.steps = _OptimizerSteps(self.model)
+        self.steps: _OptimizerSteps | None = None
         self._open = False
         self._closed = False
 
-    def begin(self, batch: Any) -> None:
-        self._open = True
-        self.engine.begin(self.steps.count, batch)
+    def setup(self, model: Any, stage: str) -> None:
+        return None  # the monitor sets itself up at the first batch
 
-    def end(self) -> StepResult | None:
-        if not self._open:
+    def fit_start(self, model: Any) -> None:
+        return None
+
+    def batch_start(self, model: Any, batch: Any) -> None:
+        steps = self.steps if self.steps is not None else self._start(model)
+        self._open = True
+        self.engine.begin(steps.count, batch)
+
+    def batch_end(self) -> StepResult | None:
+        if not self._open or self.steps is None:
             return None
         self._open = False
         return self.engine.end(self.steps.count)
+
+    def train_end(self) -> None:
+        return None  # on_fit_end publishes the last read
+
+    def fit_end(self) -> None:
+        self.close()
+
+    def teardown(self) -> None:
+        if self.steps is not None:
+            self.close()
 
     def close(self) -> None:
         """``on_fit_end`` / ``teardown``: the last read published, the summary, every hook
@@ -191,5 +231,25 @@ class FabricLoop:
         if self._closed:
             return
         self._closed = True
-        self.steps.remove()
+        if self.steps is not None:
+            self.steps.remove()
         self.engine.close()
+
+    def _start(self, model: Any) -> _OptimizerSteps:
+        engine = self.engine
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"normscope: {engine.label} under Fabric needs the model: call "
+                "fabric.call('on_train_batch_start', fabric, model, batch, batch_idx) as "
+                "Lightning's hook signature says"
+            )
+        module = _unwrap(model)
+        if engine.tracker is None and not engine.disabled:
+            try:
+                watch_fabric(self.fabric, module, engine)
+            except ConfigurationError as err:
+                from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+                raise MisconfigurationException(str(err)) from err
+        self.steps = _OptimizerSteps(module)
+        return self.steps

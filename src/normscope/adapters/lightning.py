@@ -10,7 +10,8 @@ publishes goes to every logger (a ``WandbLogger`` also gets summaries, charts an
 ``trainer.callback_metrics``; ``stop_on_alert`` sets ``trainer.should_stop``.
 
 Called by ``fabric.call(...)`` with a ``Fabric`` in the trainer's place, the same callback
-drives its engine through :mod:`normscope.adapters.fabric`.
+hands each hook to a :class:`~normscope.adapters.fabric.FabricLoop` instead (one check, in
+``_path``); the Trainer's side is :class:`TrainerPath`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import (
@@ -34,12 +34,18 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from normscope._common import ConfigurationError
-from normscope.adapters.fabric import FabricLoop
+from normscope.adapters.fabric import FabricLoop, is_fabric, tensor_parallel_size
 from normscope.alerts import Alert, AlertRule
 from normscope.engine import Monitor, StepResult, Target
-from normscope.families import DeadDirectionFamily, SignMagnitudeFamily
+from normscope.families import DeadDirectionFamily, SignMagnitudeConfig
 
-__all__ = ["DeadDirectionMonitor", "SignMagnitudeMonitor", "check_strategy", "lightning_targets"]
+__all__ = [
+    "DeadDirectionMonitor",
+    "SignMagnitudeMonitor",
+    "TrainerPath",
+    "check_strategy",
+    "lightning_targets",
+]
 
 _SINGLE_AND_DDP = "a single device; DDP (DDPStrategy: strategy='ddp', 'ddp_spawn', 'ddp_fork')"
 _FSDP2 = (
@@ -81,7 +87,7 @@ def check_strategy(strategy: Strategy, monitor: str, *, fsdp2: bool = True) -> N
                 "parallelism shard them as DTensors",
             )
         )
-    elif isinstance(strategy, ModelParallelStrategy) and _tensor_parallel_size(strategy) > 1:
+    elif isinstance(strategy, ModelParallelStrategy) and tensor_parallel_size(strategy) > 1:
         refused.append(
             (
                 ModelParallelStrategy,
@@ -96,14 +102,6 @@ def check_strategy(strategy: Strategy, monitor: str, *, fsdp2: bool = True) -> N
                 f"{monitor}: {type(strategy).__name__} is not supported: {why}. Supported: "
                 f"{supported}."
             )
-
-
-def _tensor_parallel_size(strategy: ModelParallelStrategy) -> int:
-    try:
-        return int(strategy.device_mesh["tensor_parallel"].size())
-    except (RuntimeError, KeyError):  # no mesh yet: the size asked for ("auto": devices per node)
-        size = strategy._tensor_parallel_size
-        return size if isinstance(size, int) else 2
 
 
 def lightning_targets(loggers: Sequence[Any]) -> list[Target]:
@@ -127,11 +125,84 @@ def _config(fn: Callable[[], Any]) -> Any:
         raise MisconfigurationException(str(err)) from err
 
 
+class TrainerPath:
+    """The hooks as the Lightning ``Trainer`` calls them: set-up (the strategy checked, the
+    model watched), the steps by ``trainer.global_step``, the last read at ``on_train_end``,
+    what a read asks of the Trainer (``callback_metrics``, the stop). Its Fabric twin is
+    :class:`~normscope.adapters.fabric.FabricLoop`."""
+
+    def __init__(self, engine: Monitor, trainer: Trainer) -> None:
+        self.engine = engine
+        self.trainer = trainer
+
+    def setup(self, pl_module: LightningModule, stage: str) -> None:
+        engine = self.engine
+        if stage != "fit" or engine.disabled:
+            return
+        check_strategy(self.trainer.strategy, engine.family.kind, fsdp2=engine.family.fsdp2)
+        if is_overridden("configure_model", pl_module) and engine.tracker is None:
+            return  # its layers may be built (or sharded) there, after setup: see fit_start
+        self._watch(pl_module)  # a monitor kept for a second fit: this fit's loggers
+
+    def fit_start(self, pl_module: LightningModule) -> None:
+        if self.engine.tracker is None and not self.engine.disabled:
+            self._watch(pl_module)
+
+    def _watch(self, pl_module: LightningModule) -> None:
+        trainer, strategy = self.trainer, self.trainer.strategy
+        try:
+            _config(
+                lambda: self.engine.watch(
+                    pl_module,
+                    log=lightning_targets(trainer.loggers),
+                    device=strategy.root_device,
+                    precision=str(trainer.precision),
+                    async_default=strategy.root_device.type == "cuda",
+                    async_ok=isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)),
+                )
+            )
+        except MisconfigurationException:
+            raise
+        except Exception as err:  # noqa: BLE001 - fail-open is the contract
+            self.engine.disable(f"setup: {type(err).__name__}: {err}")
+
+    def batch_start(self, pl_module: LightningModule, batch: Any) -> None:
+        self.engine.begin(self.trainer.global_step, batch)
+
+    def batch_end(self) -> None:
+        self._apply(self.engine.end(self.trainer.global_step))
+
+    def train_end(self) -> None:
+        self._apply(self.engine.finish())  # the last read is never lost
+
+    def fit_end(self) -> None:
+        return None
+
+    def teardown(self) -> None:
+        self.engine.detach()
+
+    def _apply(self, result: StepResult | None) -> None:
+        """What a published read asks of the Trainer: ``callback_metrics`` and the stop."""
+        if result is None:
+            return
+        trainer = self.trainer
+        if result.metrics:
+            device = trainer.strategy.root_device
+            trainer.callback_metrics.update(
+                {
+                    k: torch.tensor(v, dtype=torch.float32, device=device)
+                    for k, v in result.metrics.items()
+                }
+            )
+        if result.should_stop:
+            trainer.should_stop = True
+
+
 class _LightningMonitor(Callback):
-    """What both Lightning monitors share: the engine and the hooks that drive it."""
+    """What both Lightning monitors share: the engine, and the hooks that hand each call to the
+    path of its caller (the Trainer's, or Fabric's under ``fabric.call``)."""
 
     engine: Monitor
-    _fsdp2 = True
 
     def __getattr__(self, name: str) -> Any:
         # reads of the engine (reads, last_report, alerts_fired, disabled, tracker...) and of
@@ -150,49 +221,26 @@ class _LightningMonitor(Callback):
     def state_key(self) -> str:
         return self.engine.state_key
 
-    # ------------------------------------------------------------ set-up
+    def _path(self, trainer: Any) -> TrainerPath | FabricLoop:
+        """The path of this call: ``fabric.call`` passes a Fabric in the trainer's place."""
+        if not is_fabric(trainer):
+            return TrainerPath(self.engine, trainer)
+        loop = self.__dict__.get("_fabric")
+        if loop is None:
+            loop = self._fabric = FabricLoop(trainer, self.engine)
+        return loop
+
+    # ------------------------------------------------------------ the hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if isinstance(trainer, Fabric):
-            return None  # Fabric: the monitor sets itself up at the first batch
-        if stage != "fit" or self.engine.disabled:
-            return
-        check_strategy(trainer.strategy, self.engine.family.kind, fsdp2=self._fsdp2)
-        if is_overridden("configure_model", pl_module) and self.engine.tracker is None:
-            return  # its layers may be built (or sharded) there, after setup: see on_fit_start
-        self._watch(trainer, pl_module)  # a monitor kept for a second fit: this fit's loggers
+        self._path(trainer).setup(pl_module, stage)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if isinstance(trainer, Fabric):
-            return None
-        if self.engine.tracker is None and not self.engine.disabled:
-            self._watch(trainer, pl_module)
+        self._path(trainer).fit_start(pl_module)
 
-    def _watch(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        strategy = trainer.strategy
-        try:
-            _config(
-                lambda: self.engine.watch(
-                    pl_module,
-                    log=lightning_targets(trainer.loggers),
-                    device=strategy.root_device,
-                    precision=str(trainer.precision),
-                    async_default=strategy.root_device.type == "cuda",
-                    async_ok=isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)),
-                )
-            )
-        except MisconfigurationException:
-            raise
-        except Exception as err:  # noqa: BLE001 - fail-open is the contract
-            self.engine.disable(f"setup: {type(err).__name__}: {err}")
-
-    # ------------------------------------------------------------ the steps
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if isinstance(trainer, Fabric):
-            self._fabric_loop(trainer, pl_module).begin(batch)
-            return
-        self.engine.begin(trainer.global_step, batch)
+        self._path(trainer).batch_start(pl_module, batch)
 
     def on_train_batch_end(
         self,
@@ -202,56 +250,24 @@ class _LightningMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if isinstance(trainer, Fabric):
-            self._fabric_loop(trainer, pl_module).end()
-            return
-        self._apply(trainer, self.engine.end(trainer.global_step))
+        self._path(trainer).batch_end()
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.engine.pause()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if isinstance(trainer, Fabric):
-            return
-        self._apply(trainer, self.engine.finish())  # the last read is never lost
+        self._path(trainer).train_end()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if isinstance(trainer, Fabric):
-            self._fabric_loop(trainer, pl_module).close()
+        self._path(trainer).fit_end()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if isinstance(trainer, Fabric):
-            loop = self.__dict__.get("_fabric")
-            if loop is not None:
-                loop.close()
-            return
-        self.engine.detach()
+        self._path(trainer).teardown()
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
         self.engine.detach()
-
-    def _apply(self, trainer: Trainer, result: StepResult | None) -> None:
-        """What a published read asks of the Trainer: ``callback_metrics`` and the stop."""
-        if result is None:
-            return
-        if result.metrics:
-            device = trainer.strategy.root_device
-            trainer.callback_metrics.update(
-                {
-                    k: torch.tensor(v, dtype=torch.float32, device=device)
-                    for k, v in result.metrics.items()
-                }
-            )
-        if result.should_stop:
-            trainer.should_stop = True
-
-    def _fabric_loop(self, fabric: Any, model: Any) -> FabricLoop:
-        loop = self.__dict__.get("_fabric")
-        if loop is None:
-            loop = self._fabric = FabricLoop(fabric, model, self.engine, fsdp2=self._fsdp2)
-        return loop
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -447,46 +463,26 @@ class SignMagnitudeMonitor(_LightningMonitor):
     readiness (docs/metrics.md §2), under ``sm/<module path>/<metric>`` and ``sm/<metric>``.
 
     Every ``every_n_steps`` optimiser steps (and at the first step): parameter reads on every
-    monitored Linear, outlier reads from hooks on their inputs (folded during that step's
-    forwards), and probe reads on ``probe_layers`` on a fixed probe batch. A probe perturbs a
-    weight in place, runs the probe batch, and restores the weight bit-exactly from a saved
-    copy, under ``no_grad`` in eval mode: no gradient, optimiser state or train/eval flag is
-    changed.
+    monitored Linear, outlier reads from hooks on their inputs, and probe reads on
+    ``probe_layers`` on a fixed probe batch, each weight restored bit-exactly
+    (docs/monitors.md, ``SignMagnitudeMonitor``).
 
     Args:
-        every_n_steps: optimiser steps between reads (>= 1).
-        layers: ``"auto"`` (every ``nn.Linear`` inside the block stack) or a list of paths.
-        probe_layers: Linears to probe; ``None``: an attention and an MLP output projection in
-            the first, middle and last block; ``()``: no probes.
-        probe_batch: the probe batch; ``None``: the first training batch, cached on the CPU.
-        probe_samples: samples of the probe batch used (its leading dimension is cut to this).
-        flip_rate: ``p`` of the flip perturbation (0.01).
-        max_leverage_alert: alert when a layer's ``max_leverage`` exceeds this (``None``: off).
-        churn_spike_factor: alert when ``sm/sign_churn_mean`` exceeds this many times its running
-            median, and at least ``min_churn`` (``None``: off).
-        min_churn: the churn floor of that rule.
-        rules: extra rules; alerts: sinks (``"log"``, ``"wandb"``, callables).
-        example_forward: ``fn(pl_module, batch)`` for the probe forwards; default as
-            ``DeadDirectionMonitor``.
-        verbose: print one line per read (rank zero).
-        seed: seed of the perturbations.
-        overhead_warn: warn once when a read costs more than this fraction of training time
-            at ``every_n_steps`` (judged against the mean of the plain steps, after 20 of them),
-            naming the cadence that would not; ``None``: never.
-        log_per_layer: per-layer keys sent to the loggers: ``"all"``, ``"none"``, or an int
-            ``k``: the ``k`` worst layers of each ranking (:mod:`normscope.engine.monitor`)
-            and every run-level key. Alert rules still see every layer.
-        name: tell this monitor from others in the same fit: its keys read ``sm[name]/...``
-            instead of ``sm/...`` and its alerts name it (``SignMagnitudeMonitor[name]: ...``);
-            rules still see the ``sm/`` keys. As ``DeadDirectionMonitor(name=...)``.
+        every_n_steps, rules, alerts, verbose, overhead_warn, log_per_layer, name: the engine's,
+            as for :class:`DeadDirectionMonitor` (``name``: keys ``sm[name]/...``).
+        layers, probe_layers, probe_batch, probe_samples, flip_rate, max_leverage_alert,
+            churn_spike_factor, min_churn, example_forward, seed: the family's, as
+            :class:`~normscope.families.SignMagnitudeConfig` takes and checks them.
+
+    Raises:
+        MisconfigurationException: a bad argument (naming it); at ``setup``, a strategy whose
+            weights it cannot read whole (FSDP, DeepSpeed, FSDP2, tensor parallelism).
 
     Example::
 
         from normscope import SignMagnitudeMonitor
         trainer = Trainer(callbacks=[SignMagnitudeMonitor(every_n_steps=100)])
     """
-
-    _fsdp2 = False
 
     def __init__(
         self,
@@ -508,8 +504,8 @@ class SignMagnitudeMonitor(_LightningMonitor):
         log_per_layer: str | int = "all",
         name: str | None = None,
     ) -> None:
-        family = _config(
-            lambda: SignMagnitudeFamily(
+        config = _config(
+            lambda: SignMagnitudeConfig(
                 layers=layers,
                 probe_layers=probe_layers,
                 probe_batch=probe_batch,
@@ -523,8 +519,8 @@ class SignMagnitudeMonitor(_LightningMonitor):
             )
         )
         self.engine = _config(
-            lambda: Monitor(
-                family,
+            lambda: Monitor.of(
+                config,
                 every_n_steps=every_n_steps,
                 rules=rules,
                 alerts=alerts,

@@ -7,10 +7,10 @@
     callback.bind(trainer)          # the reads go out through trainer.log
     trainer.train()
 
-Each callback takes the arguments of the Lightning monitor of the same family
-(:class:`~normscope.DeadDirectionMonitor`, :class:`~normscope.SignMagnitudeMonitor`) and drives
-its own :class:`~normscope.engine.Monitor` (``callback.engine``). How the Trainer's loop maps onto
-it:
+Each callback takes the options of the Lightning monitor of the same family
+(:class:`~normscope.DeadDirectionMonitor`; :class:`SignMagnitudeCallback` its family's as a
+:class:`~normscope.families.SignMagnitudeConfig`) and drives its own
+:class:`~normscope.engine.Monitor` (``callback.engine``). How the Trainer's loop maps onto it:
 
 * a step begins at the model's first training forward after ``on_step_begin`` (a forward
   pre-hook: the batch -- its ``attention_mask`` -- is only visible there; the first step's forward
@@ -42,7 +42,8 @@ from torch import nn
 from transformers import TrainerCallback
 
 from normscope.engine import Monitor, Target
-from normscope.engine.monitor import named_key
+from normscope.engine.keys import named_key
+from normscope.families import SignMagnitudeConfig
 
 __all__ = ["DeadDirectionCallback", "SignMagnitudeCallback"]
 
@@ -67,7 +68,7 @@ def _precision(args: Any) -> str:
 
 
 class _NormscopeCallback(TrainerCallback):
-    _factory: Any  # Monitor.dead_direction / Monitor.sign_magnitude
+    _factory: Any  # Monitor.dead_direction / Monitor.of
 
     def __init__(self, **monitor_kwargs: Any) -> None:
         monitor_kwargs.setdefault("verbose", False)
@@ -218,14 +219,20 @@ class DeadDirectionCallback(_NormscopeCallback):
 
 
 class SignMagnitudeCallback(_NormscopeCallback):
-    """:class:`~normscope.SignMagnitudeMonitor` as a ``transformers.TrainerCallback`` (its
-    arguments; the probe batch is the first training batch unless ``probe_batch=`` is given).
+    """:class:`~normscope.SignMagnitudeMonitor` as a ``transformers.TrainerCallback``: the
+    family's options in ``config`` (a :class:`~normscope.families.SignMagnitudeConfig`;
+    default: its defaults; the probe batch is the first training batch unless it gives
+    ``probe_batch``), the engine's as keywords (``every_n_steps``, ``alerts``, ...).
 
     Example::
 
-        callback = SignMagnitudeCallback(every_n_steps=100)
+        config = SignMagnitudeConfig(probe_samples=4)
+        callback = SignMagnitudeCallback(config, every_n_steps=100)
         trainer = Trainer(model, args, train_dataset=ds, callbacks=[callback])
         callback.bind(trainer)
     """
 
-    _factory = Monitor.sign_magnitude
+    _factory = Monitor.of
+
+    def __init__(self, config: SignMagnitudeConfig | None = None, **engine: Any) -> None:
+        super().__init__(config=SignMagnitudeConfig() if config is None else config, **engine)

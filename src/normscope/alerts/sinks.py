@@ -8,25 +8,44 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from normscope.alerts.rules import Alert
+from normscope.alerts.base import Alert
 
-__all__ = ["CallableSink", "LogSink", "WandbSink", "build_sinks"]
+__all__ = ["WANDB_TEXT_CHARS", "CallableSink", "LogSink", "WandbSink", "alert_text", "build_sinks"]
 
 logger = logging.getLogger("normscope")
 
 
+#: W&B alert text is cut to this many characters (W&B truncates long texts)
+WANDB_TEXT_CHARS = 1000
+
+
+def alert_text(alert: Alert) -> str:
+    """The alert's message and, when it has one, its remedy: ``"<message> -- try: <remedy>"``.
+
+    Example::
+
+        >>> alert_text(Alert("r", "k", 3, 1.0, 0.5, "x is loud", remedy="turn it down"))
+        'x is loud -- try: turn it down'
+    """
+    return f"{alert.message} -- try: {alert.remedy}" if alert.remedy else alert.message
+
+
 class LogSink:
-    """Python logging (logger ``normscope``) plus a warning, so that a console shows it."""
+    """Python logging (logger ``normscope``) plus a warning, so that a console shows it: the
+    message and the remedy (:func:`alert_text`)."""
 
     def __call__(self, alert: Alert, runs: Sequence[Any] = ()) -> None:
         import warnings
 
-        logger.warning(alert.message)
-        warnings.warn(f"normscope alert: {alert.message}", UserWarning, stacklevel=2)
+        text = alert_text(alert)
+        logger.warning(text)
+        warnings.warn(f"normscope alert: {text}", UserWarning, stacklevel=2)
 
 
 class WandbSink:
-    """``run.alert`` on every attached W&B run, rate-limited per (rule, key).
+    """``run.alert`` on every attached W&B run, rate-limited per (rule, key): the title
+    (under 64 characters) and the message with its remedy (:func:`alert_text`, cut to
+    :data:`WANDB_TEXT_CHARS`).
 
     In offline mode W&B writes the alert into the local run file. ``min_interval_s`` is also
     passed as ``wait_duration`` so that W&B's own limiter agrees.
@@ -50,7 +69,7 @@ class WandbSink:
         for run in runs:
             run.alert(
                 title=alert.title,
-                text=alert.message,
+                text=alert_text(alert)[:WANDB_TEXT_CHARS],
                 level=wandb.AlertLevel.WARN,
                 wait_duration=int(self.min_interval_s),
             )

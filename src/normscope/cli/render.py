@@ -329,10 +329,14 @@ def run_html(
     alerts: Sequence[str],
     images: Mapping[str, str | Path],
     tables: Sequence[tuple[str, Sequence[str], Sequence[Sequence[Any]]]] = (),
+    story: Sequence[str] = (),
 ) -> str:
-    """The run report's HTML (facts, alerts, tables ``(heading, head, rows)``, images)."""
+    """The run report's HTML (facts, alerts, the timeline's lines ``story``, tables
+    ``(heading, head, rows)``, images)."""
     sections = ["<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in facts) + "</ul>"]
     sections += [f"<p class=alert>{html.escape(a)}</p>" for a in alerts] or ["<p>No alert.</p>"]
+    if story:
+        sections.append(f"<h2>Timeline</h2><pre>{html.escape(chr(10).join(story))}</pre>")
     for heading, head, rows in tables:
         sections += [f"<h2>{html.escape(heading)}</h2>", _html_table(head, rows)]
     sections.append("<h2>Plots</h2>")

@@ -8,7 +8,9 @@ into one read. The alerts are the run's own (W&B alert records, or the Hugging F
 ``dd/alert/<rule>`` keys), else the monitor's default rules re-evaluated over the reads
 (:mod:`normscope.cli.run_alerts`); a note says which. The figures are drawn by
 :mod:`normscope.cli.run_plots` and :mod:`normscope.cli.norm_plots`; one with nothing to draw is
-not written, and a note says why.
+not written, and a note says why. A timeline (:mod:`normscope.cli.timeline`) says which
+run-level reads left their own early band first and how many reads before the first alert and
+the loss move; ``timeline.png`` draws it (none on a healthy run: one line says so).
 
 Two things a log may not hold are inferred, and the report says that too: the depth order of
 the residual points when the log has no ``dd/<point>/depth`` (``p_0`` is the point whose ratio
@@ -22,6 +24,8 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +42,9 @@ from normscope.cli.run_alerts import (
     run_alerts,
     source_classes,
 )
-from normscope.engine.monitor import canonical_metrics, family_names
+from normscope.cli.timeline import Timeline, find_loss, first_movers
+from normscope.cli.timeline_plot import plot_timeline
+from normscope.engine.keys import canonical_metrics, family_names
 from normscope.runs import RunReadError, read_run
 
 __all__ = ["depth_order", "merge_reads", "run", "source_rows", "summary_table"]
@@ -202,14 +208,33 @@ def _chosen_steps(steps: Sequence[float], alert_steps: Sequence[float], n: int =
     return sorted(picks)
 
 
+#: a phase that takes longer than this (seconds) says so on stderr
+PROGRESS_AFTER_S = 1.0
+
+
+class _Phases:
+    """Progress on long work: one line on stderr for each phase that took over
+    :data:`PROGRESS_AFTER_S` (a short report prints none)."""
+
+    def __init__(self) -> None:
+        self.after, self.t0 = PROGRESS_AFTER_S, time.perf_counter()
+
+    def done(self, what: str) -> None:
+        took, self.t0 = time.perf_counter() - self.t0, time.perf_counter()
+        if took > self.after:
+            print(f"normscope report: {what} in {took:.1f} s", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     render.out_dir(args.out, create=False)
+    phases = _Phases()
     try:
         log = read_run(args.run_dir)
     except RunReadError as err:
         raise CLIError(str(err)) from err
     except OSError as err:
         raise CLIError(f"{args.run_dir}: cannot read the run ({err})") from err
+    phases.done(f"read the {log.source} run ({len(log.history)} rows)")
     name = getattr(args, "name", None)
     reads = merge_reads(log.history, name)
     names = family_names({k for row in log.history for k in row})
@@ -246,8 +271,13 @@ def run(args: argparse.Namespace) -> int:
     alert_steps = sorted(
         {a["step"] for a in alerts if isinstance(a["step"], float) and math.isfinite(a["step"])}
     )
+    loss_key, loss = find_loss(log.history)
+    timeline = first_movers(reads, alert_steps, loss, loss_key=loss_key)
+    phases.done(f"the alerts and the timeline of {len(reads)} reads")
     out = render.out_dir(args.out)
-    images = _plots(reads, norms, points, alerts, alert_steps, out, Path(args.run_dir).name, notes)
+    images = _story(timeline, reads, out, Path(args.run_dir).name)
+    images |= _plots(reads, norms, points, alerts, alert_steps, out, Path(args.run_dir).name, notes)
+    phases.done(f"drew {len(images)} figures")
     head, rows = summary_table(reads, points, set(alert_steps))
     result = {
         "command": "report",
@@ -261,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         "norms": norms,
         "points": points,
         "alerts": alerts,
+        "timeline": timeline.as_dict(),
         "notes": notes,
         "files": [*images, "report.md", "report.html", "report.json"],
     }
@@ -278,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         *notes,
     ]
     alert_lines = [f"ALERT at step {a['step']:g}: {a['text']}" for a in alerts]
-    _write(out, result, facts, alert_lines, images, tables)
+    _write(out, result, facts, alert_lines, images, tables, timeline.lines())
     if args.json:
         print(render.to_json(result))
     else:
@@ -288,10 +319,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"{heading}:")
             print("\n".join(render.text_table(t_head, t_rows, right=(0,))))
         print("\n".join(alert_lines) or "no alert")
+        print("\n".join(timeline.lines()))
         for note in notes:
             print(f"note: {note}")
         print(f"wrote {', '.join(result['files'])} to {out}/")
     return 0
+
+
+def _story(timeline: Timeline, reads, out: Path, name: str) -> dict[str, str]:
+    """The timeline figure, unless the run is healthy (its one line says so)."""
+    if timeline.healthy:
+        return {}
+    plot_timeline(timeline, reads, out / "timeline.png", title=f"{name}: the story of the run")
+    return {"timeline.png": "the story of the run: the first reads to leave their bands"}
 
 
 def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str, notes: list[str]):
@@ -365,9 +405,10 @@ def _plots(reads, norms, points, alerts, alert_steps, out: Path, name: str, note
     return captions
 
 
-def _write(out: Path, result, facts, alert_lines, images, tables) -> None:
+def _write(out: Path, result, facts, alert_lines, images, tables, story) -> None:
     md = [f"# normscope report: {result['run']['path']}", ""] + [f"- {f}" for f in facts] + [""]
     md += [f"**{a}**" for a in alert_lines] or ["No alert."]
+    md += ["", "## Timeline", "", "```", *story, "```"]
     for heading, head, rows in tables:
         md += ["", f"## {heading}", ""] + render.md_table(head, rows)
     md += ["", "## Plots", ""]
@@ -376,7 +417,7 @@ def _write(out: Path, result, facts, alert_lines, images, tables) -> None:
     (out / "report.md").write_text("\n".join(md), encoding="utf-8")
     page = render.run_html(
         f"normscope report: {Path(result['run']['path']).name}", facts, alert_lines,
-        {caption: out / file for file, caption in images.items()}, tables,
+        {caption: out / file for file, caption in images.items()}, tables, story,
     )  # fmt: skip
     (out / "report.html").write_text(page, encoding="utf-8")
     (out / "report.json").write_text(render.to_json(result) + "\n", encoding="utf-8")

@@ -14,8 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from normscope.alerts import SourceCollapseRule, default_dead_direction_rules
-from normscope.alerts.rules import classify_collapses
+from normscope.alerts import (
+    SourceCollapseRule,
+    classify_collapses,
+    default_dead_direction_rules,
+)
 from normscope.cli.figures import KERNEL_ALERT_LABEL
 
 __all__ = [

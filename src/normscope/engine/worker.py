@@ -104,3 +104,73 @@ class ReadWorker:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+class InFlight:
+    """At most one read in flight on a :class:`ReadWorker`: its window, whether it was taken
+    under several processes, and the optimiser step it belongs to.
+
+    Example::
+
+        >>> import torch
+        >>> class Window:
+        ...     def tensors(self): return []
+        >>> flight = InFlight()
+        >>> flight.submit(lambda: "records", Window(), distributed=False, step=4, device="cpu")
+        >>> flight.due(5, wait=True)[2]
+        'records'
+        >>> flight.stop()
+    """
+
+    def __init__(self) -> None:
+        self.worker = ReadWorker()
+        self.pending: tuple[Any, bool, int] | None = None  # window, distributed, its step
+        self.handoff_seconds = 0.0
+        self._waited: Any = None
+
+    def submit(
+        self,
+        solve: Callable[[], Any],
+        window: Any,
+        *,
+        distributed: bool,
+        step: int,
+        device: torch.device | str,
+    ) -> None:
+        """Hand ``solve`` (the middle part of a read of ``window``) to the worker."""
+        self.pending = (window, distributed, step)
+        self.worker.submit(solve, window.tensors(), device)
+
+    def due(self, step_at_begin: int, *, wait: bool) -> tuple[Any, bool, Any] | None:
+        """``(window, distributed, records)`` of the read in flight if its time has come: under
+        DDP at the next optimiser step end (waiting for it), else once it is ready (``wait``:
+        now); None otherwise."""
+        if self.pending is None:
+            return None
+        window, distributed, completed = self.pending
+        if distributed and not wait and step_at_begin <= completed:
+            return None
+        if not (wait or distributed or self.worker.ready()):
+            return None
+        records = self._waited or self.worker.result()
+        self._waited = None
+        self.pending = None
+        return window, distributed, records
+
+    def hold(self) -> bool:
+        """A checkpoint while a read is in flight: True when one process should publish it now
+        (the checkpoint holds it whole); under DDP (the publish is a collective) its solves are
+        waited for here and it is published at its usual step."""
+        if self.pending is None:
+            return False
+        if not self.pending[1]:
+            return True
+        if self._waited is None and self.worker.pending:
+            self._waited = self.worker.result()
+        return False
+
+    def stop(self) -> None:
+        """Drop a read in flight and join the worker thread."""
+        self.pending = None
+        self._waited = None
+        self.worker.shutdown()

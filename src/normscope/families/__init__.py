@@ -2,7 +2,8 @@
 
 * :class:`DeadDirectionTracker` (and :class:`DeadDirectionFamily`, its schedule-side glue for the
   engine): norm layers' kernels, ``Delta_gamma``, the residual ``sigma_min`` profile;
-* :class:`SignMagnitudeTracker` (:class:`SignMagnitudeFamily`): weight signs, outliers, probes;
+* :class:`SignMagnitudeTracker` (:class:`SignMagnitudeFamily`, built from a
+  :class:`SignMagnitudeConfig`): weight signs, outliers, probes;
 * :func:`scan_model`: the dead-direction reads on any model, post hoc.
 
 The engine (:mod:`normscope.engine`) drives a family through a small protocol
@@ -16,14 +17,19 @@ from normscope.families.dead_direction import (
     NormReport,
 )
 from normscope.families.scan import scan_model
-from normscope.families.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
-from normscope.families.sign_magnitude_family import SignMagnitudeFamily
+from normscope.families.sign_magnitude import (
+    SignMagnitudeConfig,
+    SignMagnitudeFamily,
+    SignMagnitudeReport,
+    SignMagnitudeTracker,
+)
 
 __all__ = [
     "DeadDirectionFamily",
     "DeadDirectionReport",
     "DeadDirectionTracker",
     "NormReport",
+    "SignMagnitudeConfig",
     "SignMagnitudeFamily",
     "SignMagnitudeReport",
     "SignMagnitudeTracker",

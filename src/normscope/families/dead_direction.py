@@ -37,7 +37,7 @@ from normscope.alerts import (
     SourceCollapseRule,
     default_dead_direction_rules,
 )
-from normscope.alerts.rules import classify_collapses, collapse_keys, source_reads
+from normscope.alerts.sources import classify_collapses, collapse_keys, source_reads
 from normscope.families.budget import fit_budget, stream_width
 from normscope.functional.covariance import fetch_counts, host_array, on_device
 from normscope.functional.dead_direction import (
@@ -1445,6 +1445,7 @@ class DeadDirectionFamily:
     prefix = "dd"
     kind = "DeadDirectionMonitor"
     supports_async = True
+    fsdp2 = True  # gammas are read whole in the forward (docs/integrations.md)
     #: W&B: the profile chart and spectrum table at the first read and every this many reads
     charts_every_n_reads: int = 10
 

@@ -1,7 +1,7 @@
-"""The probe reads of :class:`~normscope.families.sign_magnitude.SignMagnitudeTracker`
-(docs/metrics.md §2.3): each perturbation applied to a weight in place, the input of the first
-normaliser it changes captured on a fixed probe batch, the weight restored bit-exactly from a
-saved copy. Everything runs under ``no_grad`` in eval mode; train/eval flags are restored."""
+"""The probe reads of the sign–magnitude family (docs/metrics.md §2.3): each perturbation
+applied to a weight in place, the input of the first normaliser it changes captured on a fixed
+probe batch, the weight restored bit-exactly from a saved copy. Everything runs under
+``no_grad`` in eval mode; train/eval flags are restored."""
 
 from __future__ import annotations
 
@@ -21,51 +21,61 @@ from normscope.functional.sign_magnitude import (
 )
 from normscope.taps.residual import tap_input
 
-__all__ = ["ProbeReads"]
+__all__ = ["Probes"]
 
 
-class ProbeReads:
-    """The probe half of the sign–magnitude tracker, which supplies these attributes."""
+#: a probe that failed: its key (``"<layer>:probe"`` or ``"probe forward"``), what it was, why
+Failure = tuple[str, str, BaseException]
 
-    model: nn.Module
-    probe_layers: list[str]
-    failed: dict[str, str]
-    seed: int
-    flip_rate: float
-    _norm_modules: list[nn.Module]
 
-    def _fail(self, key: str, what: str, err: BaseException) -> None:
-        raise NotImplementedError  # the tracker's: disable one read, warn once
+class Probes:
+    """The probes of Linear layers of ``model``, their ``y`` taken at the inputs of ``norms``.
+
+    Example::
+
+        probes = Probes(model, norms, flip_rate=0.01, seed=0)
+        reads, failures = probes.read(["h.0.mlp.2"], lambda: model(probe_batch))
+    """
+
+    def __init__(
+        self, model: nn.Module, norms: list[nn.Module], *, flip_rate: float, seed: int
+    ) -> None:
+        self.model = model
+        self.norms = norms
+        self.flip_rate = flip_rate
+        self.seed = seed
 
     @torch.no_grad()
-    def probe(self, forward: Callable[[], Any]) -> dict[str, ProbeRead]:
-        """Probe reads (docs/metrics.md §2.3) of every probe layer, weights restored bit-exactly."""
+    def read(
+        self, layers: list[str], forward: Callable[[], Any]
+    ) -> tuple[dict[str, ProbeRead], list[Failure]]:
+        """Probe reads (docs/metrics.md §2.3) of ``layers``, weights restored bit-exactly;
+        ``forward`` runs the model on the probe batch. Returns the reads and the failures (the
+        caller disables those reads); a failing clean forward is one failure,
+        ``"probe forward"``, and no read."""
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()
         try:
             out: dict[str, ProbeRead] = {}
-            live = [n for n in self.probe_layers if f"{n}:probe" not in self.failed]
-            if not live:
-                return out
+            failures: list[Failure] = []
+            if not layers:
+                return out, failures
             try:
                 # One clean pass serves every layer: each probe restores its weight bit-exactly.
-                clean = self._norm_inputs(forward)
+                clean = self.norm_inputs(forward)
             except Exception as err:  # noqa: BLE001 - the probe batch itself does not run
-                self._fail("probe forward", "the probe forward (so every probe)", err)
-                for name in live:
-                    self.failed.setdefault(f"{name}:probe", self.failed["probe forward"])
-                return out
-            for name in live:
+                return out, [("probe forward", "the probe forward (so every probe)", err)]
+            for name in layers:
                 try:
-                    out[name] = self._probe_one(name, forward, clean)
-                except Exception as err:  # noqa: BLE001 - weights are restored in _probe_one
-                    self._fail(f"{name}:probe", f"the probe of {name!r}", err)
-            return out
+                    out[name] = self.probe_one(name, forward, clean)
+                except Exception as err:  # noqa: BLE001 - weights are restored in probe_one
+                    failures.append((f"{name}:probe", f"the probe of {name!r}", err))
+            return out, failures
         finally:
             for module, mode in modes.items():
                 module.training = mode
 
-    def _probe_one(
+    def probe_one(
         self, name: str, forward: Callable[[], Any], clean: list[torch.Tensor] | None = None
     ) -> ProbeRead:
         """Perturb ``name``'s weight four ways; ``y`` is the input of the first normaliser whose
@@ -74,7 +84,7 @@ class ProbeReads:
         ``nn.MultiheadAttention.out_proj``, whose own forward never runs)."""
         linear = self.model.get_submodule(name)
         if clean is None:
-            clean = self._norm_inputs(forward)
+            clean = self.norm_inputs(forward)
         weight = linear.weight
         saved = weight.detach().clone()
         w64 = saved.to(torch.float64)
@@ -90,7 +100,7 @@ class ProbeReads:
         try:
             for key, dw in perturbations.items():
                 weight.copy_((w64 + dw).to(weight.dtype))
-                runs[key] = self._norm_inputs(forward)
+                runs[key] = self.norm_inputs(forward)
         finally:
             weight.copy_(saved)  # bit-exact: the saved copy, not a reversed perturbation
         changed = [
@@ -104,7 +114,7 @@ class ProbeReads:
         y = clean[at]
         return probe_read(y, {k: run[at] - y for k, run in runs.items() if len(run) > at})
 
-    def _norm_inputs(self, forward: Callable[[], Any]) -> list[torch.Tensor]:
+    def norm_inputs(self, forward: Callable[[], Any]) -> list[torch.Tensor]:
         """Run ``forward``; the inputs of every norm layer in the order they ran, as float64
         rows."""
         seen: list[torch.Tensor] = []
@@ -114,9 +124,7 @@ class ProbeReads:
             if x is not None:
                 seen.append(x.detach().reshape(-1, x.shape[-1]).to(torch.float64))
 
-        handles = [
-            m.register_forward_pre_hook(at_norm, with_kwargs=True) for m in self._norm_modules
-        ]
+        handles = [m.register_forward_pre_hook(at_norm, with_kwargs=True) for m in self.norms]
         try:
             forward()
         finally:

@@ -1,33 +1,32 @@
-"""The sign–magnitude reads on a schedule, independent of any trainer (docs/metrics.md §2).
+"""The sign–magnitude reads of a model, for any PyTorch loop (docs/metrics.md §2).
 
 :class:`SignMagnitudeTracker` watches a model's Linear layers:
 
 * **parameter reads** (every monitored Linear, at each read): sign and ternary alignment,
   ternary sparsity, sign churn since the previous read;
 * **outlier reads** (taps on the same Linears' inputs, on the shared tap layer
-  :class:`~normscope.taps.hooks.TapSet` that the dead-direction family uses, folded on sampled
-  steps): the per-channel second moment ``E[x_j^2]`` in float64 (a
-  :class:`~normscope.functional.moments.DiagonalMoment`: ``n`` numbers, not ``n^2``), from which
-  ``max_leverage`` and ``outlier_leverage`` follow;
-* **probe reads** (a few layers, on a fixed probe batch): each perturbation of docs/metrics.md §2.3 is
-  applied to the weight in place, the next normaliser's input is captured, and the weight is
-  restored **bit-exactly** from a saved copy. Everything runs under ``no_grad`` in eval mode;
-  no gradient or optimiser state is touched and the model's train/eval flags are restored.
+  :class:`~normscope.taps.hooks.TapSet`, folded on sampled steps): the per-channel second moment
+  ``E[x_j^2]`` in float64 (a :class:`~normscope.functional.moments.DiagonalMoment`: ``n``
+  numbers, not ``n^2``), from which ``max_leverage`` and ``outlier_leverage`` follow;
+* **probe reads** (a few layers, on a fixed probe batch): :mod:`.probes`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from normscope._common import warn_disabled
-from normscope.families.dead_direction import key_path
-from normscope.families.probes import ProbeReads
+from normscope.families.sign_magnitude.layers import (
+    default_probe_layers,
+    find_block_linears,
+    find_norm_layers_or_empty,
+)
+from normscope.families.sign_magnitude.probes import Probes
+from normscope.families.sign_magnitude.report import SignMagnitudeReport
 from normscope.functional.moments import DiagonalMoment
 from normscope.functional.sign_magnitude import (
     OutlierRead,
@@ -37,133 +36,42 @@ from normscope.functional.sign_magnitude import (
     weight_read,
 )
 from normscope.taps.hooks import Gate, Tap, TapSet
-from normscope.taps.norms import find_norm_layers
-from normscope.taps.stacks import longest_stack, same_class_stacks
 
-__all__ = ["SignMagnitudeReport", "SignMagnitudeTracker", "find_block_linears"]
+if TYPE_CHECKING:
+    from normscope.families.sign_magnitude.config import SignMagnitudeConfig
 
-FAMILY = "sm"
-
-
-def _block_stack(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The longest ``nn.ModuleList`` whose children share one class: the transformer's blocks.
-
-    ModuleList only (an ``nn.Sequential`` stack would change which Linears are monitored), and
-    a list of ModuleLists/ModuleDicts still counts (``exclude_children=()``), as it always has."""
-    return longest_stack(same_class_stacks(model, kinds=(nn.ModuleList,), exclude_children=()))
+__all__ = ["SignMagnitudeTracker"]
 
 
-def find_block_linears(model: nn.Module) -> list[str]:
-    """Paths of every ``nn.Linear`` inside the model's block stack (embeddings and the output
-    head excluded); every Linear of the model when there is no block stack."""
-    stack = _block_stack(model)
-    prefix = f"{stack[0]}." if stack is not None and stack[0] else ""
-    return [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and (stack is None or name.startswith(prefix))
-    ]
-
-
-def default_probe_layers(linears: Sequence[str], blocks: int = 3) -> list[str]:
-    """An attention and an MLP output projection in the first, middle and last block: the
-    Linear layers whose output is added to the stream, i.e. what the next norm reads."""
-    out_names = ("c_proj", "o_proj", "out_proj", "dense", "down_proj", "fc2", "wo", "dense_4h_to_h")
-    by_block: dict[str, list[str]] = {}
-    for name in linears:
-        parts = name.split(".")
-        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        if idx is None:
-            continue
-        by_block.setdefault(".".join(parts[: idx + 1]), []).append(name)
-    keys = list(by_block)
-    if not keys:
-        return list(linears[:2])
-    picks = sorted({0, len(keys) // 2, len(keys) - 1})[:blocks]
-    chosen: list[str] = []
-    for i in picks:
-        layers = by_block[keys[i]]
-        is_attn = [any(k in n for k in ("attn", "attention")) for n in layers]
-        attn = [n for n, a in zip(layers, is_attn) if a]
-        rest = [n for n, a in zip(layers, is_attn) if not a]
-        # the output projection of each branch: a known name, else the branch's last Linear
-        for group in (attn, rest):
-            named = [n for n in group if n.split(".")[-1] in out_names]
-            chosen += (named or group)[-1:]
-    return chosen
-
-
-@dataclass(frozen=True)
-class SignMagnitudeReport:
-    """One read: per Linear its weight read and outlier read; per probe layer its probe read."""
-
-    step: int
-    weights: dict[str, WeightRead]
-    outliers: dict[str, OutlierRead]
-    probes: dict[str, ProbeRead]
-    failed: dict[str, str] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for group in (self.weights, self.outliers, self.probes):
-            for name, read in group.items():
-                for metric, value in read.as_dict().items():
-                    out[f"{FAMILY}/{key_path(name)}/{metric}"] = float(value)
-        summaries = {
-            "sign_alignment_mean": [w.sign_alignment for w in self.weights.values()],
-            "ternary_alignment_mean": [w.ternary_alignment for w in self.weights.values()],
-            "sign_churn_mean": [w.sign_churn for w in self.weights.values()],
-            "asymmetry_ratio_mean": [p.asymmetry_ratio for p in self.probes.values()],
-            "quant_transverse_rel_mean": [p.quant_transverse_rel for p in self.probes.values()],
-        }
-        for key, values in summaries.items():
-            finite = [v for v in values if math.isfinite(v)]
-            out[f"{FAMILY}/{key}"] = sum(finite) / len(finite) if finite else math.nan
-        leverages = [
-            o.max_leverage for o in self.outliers.values() if math.isfinite(o.max_leverage)
-        ]
-        out[f"{FAMILY}/max_leverage_max"] = max(leverages) if leverages else math.nan
-        # reads no longer taken after a failure (a layer's outlier tap, weight read or probe)
-        out[f"{FAMILY}/reads_disabled"] = float(len(self.failed))
-        return out
-
-
-class SignMagnitudeTracker(ProbeReads):
+class SignMagnitudeTracker:
     """Hooks and reads of the sign–magnitude family, for any PyTorch loop.
 
     Args:
         model: the model.
-        layers: ``"auto"`` (every ``nn.Linear`` inside the block stack) or a list of paths.
-        probe_layers: Linear paths to probe; default :func:`default_probe_layers`; ``()`` none.
-        flip_rate: ``p`` of the flip perturbation.
-        seed: seed of the perturbations (the same every read, so reads are comparable).
+        config: a :class:`~normscope.families.SignMagnitudeConfig` (its ``layers``,
+            ``probe_layers``, ``flip_rate`` and ``seed``; the rest is the family's).
+
+    Raises:
+        ValueError: a path of ``layers`` or ``probe_layers`` that is not a Linear of ``model``,
+            or no Linear found.
 
     Example::
 
-        tracker = SignMagnitudeTracker(model)
+        tracker = SignMagnitudeTracker(model, SignMagnitudeConfig())
         tracker.attach()
         with tracker.gate.sampling():
             model(batch)
         report = tracker.read(step=0, probe=lambda: model(probe_batch))
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        layers: str | Sequence[str] = "auto",
-        probe_layers: Sequence[str] | None = None,
-        flip_rate: float = 0.01,
-        seed: int = 0,
-    ) -> None:
-        if not 0.0 < flip_rate < 1.0:
-            raise ValueError(f"SignMagnitudeTracker: flip_rate must be in (0, 1), got {flip_rate}")
+    def __init__(self, model: nn.Module, config: SignMagnitudeConfig) -> None:
         self.model = model
+        self.config = config
         linears = dict((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear))
-        if layers == "auto":
+        if config.layers == "auto":
             names = find_block_linears(model)
         else:
-            names = list(layers)
+            names = list(config.layers)
             unknown = [n for n in names if n not in linears]
             if unknown:
                 raise ValueError(
@@ -176,7 +84,8 @@ class SignMagnitudeTracker(ProbeReads):
                 "pass layers=[...]"
             )
         self.layers = names
-        probes = default_probe_layers(names) if probe_layers is None else list(probe_layers)
+        given = config.probe_layers
+        probes = default_probe_layers(names) if given is None else list(given)
         bad = [n for n in probes if n not in linears]
         if bad:
             raise ValueError(
@@ -184,14 +93,17 @@ class SignMagnitudeTracker(ProbeReads):
                 f"{type(model).__name__}: {bad}; available: {', '.join(linears) or 'none'}"
             )
         self.probe_layers = probes
-        self.flip_rate = flip_rate
-        self.seed = seed
         self.gate = Gate()
         # the outlier taps: each monitored Linear's input, folded into a DiagonalMoment
         self.taps = TapSet(model, self.gate, on_fail=self._tap_failed)
         self.prev_signs: dict[str, torch.Tensor] = {}
         self.failed: dict[str, str] = {}
-        self._norm_modules = [n.module for n in find_norm_layers_or_empty(model)]
+        self.probes = Probes(
+            model,
+            [n.module for n in find_norm_layers_or_empty(model)],
+            flip_rate=config.flip_rate,
+            seed=config.seed,
+        )
         self.attached = False
 
     # ------------------------------------------------------------------ hooks
@@ -268,9 +180,21 @@ class SignMagnitudeTracker(ProbeReads):
                     outliers[name] = outlier_amplitudes(moment.second_moment_diagonal())
             except Exception as err:  # noqa: BLE001
                 self._fail(name, f"the outlier read of {name!r}", err)
-        probes = self.probe(probe) if probe is not None and self.probe_layers else {}
+        probes = self._probe(probe) if probe is not None and self.probe_layers else {}
         self.reset()
         return SignMagnitudeReport(step, weights, outliers, probes, dict(self.failed))
+
+    def _probe(self, forward: Callable[[], Any]) -> dict[str, ProbeRead]:
+        """The probe reads of the layers still probed; each failure disables its probe (a
+        failing probe forward: every probe)."""
+        live = [n for n in self.probe_layers if f"{n}:probe" not in self.failed]
+        reads, failures = self.probes.read(live, forward)
+        for key, what, err in failures:
+            self._fail(key, what, err)
+            if key == "probe forward":
+                for name in live:
+                    self.failed.setdefault(f"{name}:probe", self.failed[key])
+        return reads
 
     def _fail(self, key: str, what: str, err: BaseException | str) -> None:
         """Disable one layer's read (``key``) for the rest of the run, warning once. A layer
@@ -295,10 +219,3 @@ class SignMagnitudeTracker(ProbeReads):
                 w = self.model.get_submodule(name).weight
                 if tuple(signs.shape) == tuple(w.shape):
                     self.prev_signs[name] = signs.to(w.device)
-
-
-def find_norm_layers_or_empty(model: nn.Module) -> list:
-    try:
-        return find_norm_layers(model)
-    except ValueError:
-        return []

@@ -1,26 +1,28 @@
-"""The sign–magnitude family as the engine drives it: configuration, rules, the probe batch,
-the outlier taps' gate and the read (:class:`normscope.engine.Family`).
+"""The sign–magnitude family as the engine drives it (:class:`normscope.engine.Family`): its
+rules, the probe batch, the outlier taps' gate and the read.
 
 Example::
 
     from normscope.engine import Monitor
-    monitor = Monitor(SignMagnitudeFamily(probe_samples=4), every_n_steps=100)
+    monitor = Monitor(SignMagnitudeConfig(probe_samples=4).build(), every_n_steps=100)
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from normscope._common import ConfigurationError
 from normscope.alerts import AlertRule, OutlierRule, SignChurnSpikeRule
-from normscope.families.dead_direction import check_layers
-from normscope.families.sign_magnitude import SignMagnitudeReport, SignMagnitudeTracker
+from normscope.families.sign_magnitude.report import SignMagnitudeReport
+from normscope.families.sign_magnitude.tracker import SignMagnitudeTracker
 from normscope.taps.hooks import call_model, compiled, eager_forwards
+
+if TYPE_CHECKING:
+    from normscope.families.sign_magnitude.config import SignMagnitudeConfig
 
 __all__ = ["SignMagnitudeFamily", "slice_batch", "to_device"]
 
@@ -54,47 +56,31 @@ def _device(module: nn.Module) -> torch.device:
 
 
 class SignMagnitudeFamily:
-    """The sign–magnitude reads for the engine (arguments: :class:`~normscope.SignMagnitudeMonitor`'s,
-    less the schedule and delivery ones)."""
+    """The sign–magnitude reads for the engine, as ``config`` says (build it with
+    :meth:`SignMagnitudeConfig.build <normscope.families.SignMagnitudeConfig.build>`)."""
 
     prefix = "sm"
     kind = "SignMagnitudeMonitor"
     supports_async = False  # the probes run forwards of the model: on the training thread
     charts_every_n_reads = 0
+    fsdp2 = False  # its weight and probe reads take whole nn.Linear weights (docs/integrations.md)
 
-    def __init__(
-        self,
-        layers: str | Sequence[str] = "auto",
-        probe_layers: Sequence[str] | None = None,
-        probe_batch: Any = None,
-        probe_samples: int = 8,
-        flip_rate: float = 0.01,
-        max_leverage_alert: float | None = 100.0,
-        churn_spike_factor: float | None = 5.0,
-        min_churn: float = 0.01,
-        example_forward: Callable[[nn.Module, Any], Any] | None = None,
-        seed: int = 0,
-    ) -> None:
-        owner = self.kind
-        self.layers = check_layers(layers, owner)
-        if not 0.0 < flip_rate < 1.0:
-            raise ConfigurationError(f"{owner}: flip_rate must be in (0, 1), got {flip_rate}")
-        if probe_samples < 1:
-            raise ConfigurationError(f"{owner}: probe_samples must be >= 1")
+    def __init__(self, config: SignMagnitudeConfig) -> None:
+        self.config = config
         self.rules: list[AlertRule] = []
-        if max_leverage_alert is not None:
-            self.rules.append(OutlierRule(max_leverage_alert))
-        if churn_spike_factor is not None:
-            self.rules.append(SignChurnSpikeRule(churn_spike_factor, min_churn))
-        self.probe_layers = probe_layers
-        self.probe_batch = probe_batch
-        self.probe_samples = probe_samples
-        self.flip_rate = flip_rate
-        self.example_forward = example_forward
-        self.seed = seed
+        if config.max_leverage_alert is not None:
+            self.rules.append(OutlierRule(config.max_leverage_alert))
+        if config.churn_spike_factor is not None:
+            self.rules.append(SignChurnSpikeRule(config.churn_spike_factor, config.min_churn))
+        self.probe_batch = config.probe_batch  # the first training batch's cut when None
         self.tracker: SignMagnitudeTracker | None = None
         self.model: nn.Module | None = None
         self._saved: dict[str, Any] | None = None
+
+    @property
+    def layers(self) -> str | list[str]:
+        """The configured ``layers`` (``"auto"`` or the paths)."""
+        return self.config.layers
 
     # ------------------------------------------------------------ set-up
     def check_loop(self, precision: str) -> None:
@@ -102,13 +88,7 @@ class SignMagnitudeFamily:
 
     def build(self, model: nn.Module) -> None:
         try:
-            self.tracker = SignMagnitudeTracker(
-                model,
-                layers=self.layers,
-                probe_layers=self.probe_layers,
-                flip_rate=self.flip_rate,
-                seed=self.seed,
-            )
+            self.tracker = SignMagnitudeTracker(model, self.config)
         except ValueError as err:
             raise ConfigurationError(f"{self.kind}: {err}") from err
         self.model = model
@@ -145,7 +125,7 @@ class SignMagnitudeFamily:
     def see(self, batch: Any) -> None:
         """Every batch: the first one becomes the probe batch (cut, on the CPU) unless given."""
         if self.probe_batch is None and batch is not None:
-            self.probe_batch = to_device(slice_batch(batch, self.probe_samples), "cpu")
+            self.probe_batch = to_device(slice_batch(batch, self.config.probe_samples), "cpu")
 
     def close(self) -> None:
         if self.tracker is not None:
@@ -169,7 +149,7 @@ class SignMagnitudeFamily:
             # The read's one collective, right after the handshake: nothing that could fail on
             # one rank only runs between the two.
             tracker.reduce_moments()
-        forward = self.example_forward or call_model
+        forward = self.config.example_forward or call_model
         probe = None
         if self.probe_batch is not None and tracker.probe_layers:
             model = self.model
@@ -187,21 +167,7 @@ class SignMagnitudeFamily:
         return report.as_dict()
 
     def read_line(self, report: SignMagnitudeReport, fired: Sequence[Any]) -> str:
-        metrics = report.as_dict()
-
-        def f(key: str) -> str:
-            v = metrics.get(f"sm/{key}", math.nan)
-            return "nan" if not math.isfinite(v) else f"{v:.4g}"
-
-        line = (
-            f"normscope sm step {report.step} | sign_alignment {f('sign_alignment_mean')} | "
-            f"ternary_alignment {f('ternary_alignment_mean')} | sign_churn "
-            f"{f('sign_churn_mean')} | max_leverage {f('max_leverage_max')} | asymmetry_ratio "
-            f"{f('asymmetry_ratio_mean')} | quant_transverse_rel {f('quant_transverse_rel_mean')}"
-        )
-        if fired:
-            line += f" | ALERTS {len(fired)}: " + "; ".join(a.message for a in fired)
-        return line
+        return report.read_line([a.message for a in fired])
 
     def summary(self, report: SignMagnitudeReport, reads: int, alerts: Sequence[Any]) -> None:
         return None
