@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from examples.data import make_dataloaders  # noqa: E402
 from examples.lit_gpt import LitGPT  # noqa: E402
 from examples.nanogpt import GPTConfig  # noqa: E402
-from tests.callbacks.tiny_models import cpu_trainer  # noqa: E402
+from tests.support.tiny_models import cpu_trainer  # noqa: E402
 
 from normscope import DeadDirectionMonitor, scan_model  # noqa: E402
 from normscope.alerts import CallableRule  # noqa: E402

@@ -24,8 +24,8 @@ from normscope import (
 )
 from normscope.cli.options import report_arguments, scan_arguments
 from normscope.families.sign_magnitude import SignMagnitudeTracker
-from tests.callbacks.tiny_models import LitTiny
-from tests.reliability.models import fit, read_csv
+from tests.support.fits import fit, read_csv
+from tests.support.tiny_models import LitTiny
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

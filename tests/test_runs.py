@@ -19,12 +19,6 @@ from normscope.runs import (
 )
 
 
-@pytest.fixture
-def wandb_offline(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-
-
 def _wandb_run(tmp_path: Path, steps: int, width: int) -> tuple[Path, dict[int, dict[str, float]]]:
     import wandb
 
@@ -182,7 +176,7 @@ def test_a_wandb_save_folder_with_its_latest_run_link(tmp_path, wandb_offline):
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory):
     """One real Hugging Face ``Trainer`` run logged to W&B (offline), one to TensorBoard."""
-    from tests.cli.hf_runs import hf_run
+    from tests.support.hf_runs import hf_run
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")
@@ -233,7 +227,7 @@ def test_plain_loop_wandb_log_is_read_at_its_steps(tmp_path, wandb_offline):
     import wandb
 
     from normscope import DeadDirectionConfig, Monitor
-    from tests.integrations import loops
+    from tests.support import loops
 
     run = wandb.init(project="normscope-test", dir=str(tmp_path))
     model = loops.gpt2(cancel=False)

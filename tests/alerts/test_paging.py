@@ -21,7 +21,7 @@ from normscope.alerts import (
     format_alerts,
 )
 from normscope.engine.publish import Publisher
-from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
+from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
 
 LAYERS = [f"h.{i}.ln_{j}" for i in range(6) for j in (1, 2)]  # 12 LayerNorms
 

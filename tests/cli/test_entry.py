@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from normscope import __version__
-from tests.cli.support import run_cli
+from tests.support.cli import run_cli
 
 SCRIPT = Path(sys.executable).with_name("normscope")
 

@@ -1,5 +1,5 @@
 """Every figure of ``normscope scan`` and ``normscope report``, on five kinds of run
-(``tests/cli/figure_runs.py``: LayerNorm, RMSNorm, post-norm, rank-deficient, 32 blocks), held
+(``tests/support/figure_runs.py``: LayerNorm, RMSNorm, post-norm, rank-deficient, 32 blocks), held
 to what a reader needs: nothing blank, nothing drawn against another norm's expectations.
 
 Each figure is caught as it is saved (``Figure.savefig`` is wrapped), so the checks read the
@@ -27,8 +27,8 @@ from matplotlib.lines import Line2D
 from matplotlib.text import Annotation
 
 from normscope.cli.figures import LEGEND_KEY, LEGEND_MAX
-from tests.cli import figure_runs
-from tests.cli.support import assert_drawn, load_json, run_cli
+from tests.support import figure_runs
+from tests.support.cli import assert_drawn, load_json, run_cli
 
 torch.set_num_threads(1)
 

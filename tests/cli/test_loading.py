@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.support import load_json, run_cli, save_tiny
+from tests.support.cli import load_json, run_cli, save_tiny
 
 torch.set_num_threads(1)
 
@@ -170,12 +170,12 @@ def test_bad_numbers(gpt2_dir: Path) -> None:
 @pytest.mark.parametrize(
     "spec, needle",
     [
-        ("tests.cli.no_such_module:f", "could not import tests.cli.no_such_module"),
-        ("tests.cli.factories:missing", "has no attribute 'missing'"),
-        ("tests.cli.factories:broken_factory", "the factory raised RuntimeError"),
-        ("tests.cli.factories:not_a_model", "returned str, not an nn.Module"),
-        ("tests.cli.factories:no_norm_model", "nothing to scan"),
-        ("tests.cli.factories:VOCAB", "neither an nn.Module nor a callable"),
+        ("tests.support.no_such_module:f", "could not import tests.support.no_such_module"),
+        ("tests.support.factories:missing", "has no attribute 'missing'"),
+        ("tests.support.factories:broken_factory", "the factory raised RuntimeError"),
+        ("tests.support.factories:not_a_model", "returned str, not an nn.Module"),
+        ("tests.support.factories:no_norm_model", "nothing to scan"),
+        ("tests.support.factories:VOCAB", "neither an nn.Module nor a callable"),
     ],
 )
 def test_bad_factories(spec: str, needle: str) -> None:
@@ -185,7 +185,7 @@ def test_bad_factories(spec: str, needle: str) -> None:
 def test_forward_that_fails_on_the_batches(tmp_path: Path) -> None:
     # TinyLM has 64 positions: windows of 128 tokens make its own forward fail
     assert_refused(
-        *run_cli("scan", "tests.cli.factories:INSTANCE", "--tokens", 256, "--out", tmp_path),
+        *run_cli("scan", "tests.support.factories:INSTANCE", "--tokens", 256, "--out", tmp_path),
         "forward failed", "seq 128", "--seq-len",
     )  # fmt: skip
 

@@ -18,7 +18,7 @@ import pytest
 
 from normscope.cli import figures, norm_plots, plots, run_plots, spectrum_plots
 from normscope.cli.figures import DPI
-from tests.cli.support import assert_drawn, colour_share, png_pixels, png_size
+from tests.support.cli import assert_drawn, colour_share, png_pixels, png_size
 
 BLUE, ORANGE, PURPLE = (31, 119, 180), (255, 127, 14), (148, 103, 189)
 RED, GREY, LIGHT = (214, 39, 40), (127, 127, 127), (191, 191, 191)

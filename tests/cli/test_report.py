@@ -26,8 +26,9 @@ from normscope import DeadDirectionMonitor
 from normscope.alerts import alert_text
 from normscope.cli.report import depth_order
 from normscope.cli.run_alerts import reevaluate_alerts
-from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
-from tests.cli.support import assert_drawn, load_json, png_size, run_cli
+from tests.support.cli import assert_drawn, load_json, png_size, run_cli
+from tests.support.fits import fit
+from tests.support.tiny_models import LitTiny, cpu_trainer
 
 torch.set_num_threads(1)
 
@@ -40,15 +41,17 @@ RUN_PNGS = (
 )
 
 
-def fit(root: Path, module: L.LightningModule, steps: int, wandb: bool) -> DeadDirectionMonitor:
+def logged_run(
+    root: Path, module: L.LightningModule, steps: int, wandb: bool
+) -> DeadDirectionMonitor:
+    """A monitored fit logged to CSV (``root/csv``) and, with ``wandb``, to offline W&B too."""
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False, alerts=("log", "wandb"))
     loggers: list = [CSVLogger(root, name="csv")]
     if wandb:
         loggers.append(WandbLogger(project="normscope-cli-test", save_dir=str(root)))
-    trainer = cpu_trainer(steps, [monitor], logger=loggers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the alert's own UserWarning, Lightning's hints
-        trainer.fit(module, train_dataloaders=token_loader())
+        fit(root, module, monitor, steps=steps, logger=loggers)
     if wandb:
         loggers[1].experiment.finish()
     return monitor
@@ -61,7 +64,7 @@ def collapsed_run(tmp_path_factory: pytest.TempPathFactory):
         mp.setenv("WANDB_MODE", "offline")
         mp.setenv("WANDB_SILENT", "true")
         torch.manual_seed(0)
-        monitor = fit(root, LitTiny(cancel_at_step=4, cancel_layer=1), steps=12, wandb=True)
+        monitor = logged_run(root, LitTiny(cancel_at_step=4, cancel_layer=1), steps=12, wandb=True)
     assert monitor.alerts_fired, "the cancelling branch must make the monitor alert"
     csv_dir = root / "csv" / "version_0"
     (wandb_dir,) = (root / "wandb").glob("offline-run-*")
@@ -144,7 +147,7 @@ def test_wandb_run_shows_its_alert_records(collapsed_run, csv_report, tmp_path: 
 
 def test_healthy_run_has_no_alert(tmp_path: Path) -> None:
     torch.manual_seed(1)
-    monitor = fit(tmp_path / "run", LitTiny(), steps=8, wandb=False)
+    monitor = logged_run(tmp_path / "run", LitTiny(), steps=8, wandb=False)
     assert not monitor.alerts_fired
     code, stdout, stderr = run_cli("report", tmp_path / "run", "--out", tmp_path / "out")
     assert code == 0, stderr
@@ -264,7 +267,7 @@ def test_report_of_a_run_with_sources_shows_them_and_the_classification(tmp_path
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory: pytest.TempPathFactory):
     """Real Hugging Face ``Trainer`` runs (tiny GPT-2, cancelling branch) to W&B and TensorBoard."""
-    from tests.cli.hf_runs import hf_run
+    from tests.support.hf_runs import hf_run
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_MODE", "offline")

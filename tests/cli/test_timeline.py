@@ -25,8 +25,8 @@ from lightning.pytorch.loggers import CSVLogger
 from normscope import DeadDirectionMonitor
 from normscope.cli import report
 from normscope.cli.timeline import Timeline, find_loss, first_movers, loss_moved
-from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
-from tests.cli.support import assert_drawn, load_json, run_cli
+from tests.support.cli import assert_drawn, load_json, run_cli
+from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
 
 torch.set_num_threads(1)
 

@@ -7,12 +7,12 @@ cancelling branch takes the step at its sublayer to about 0.4.
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import pytest
 
 from examples import collapse_alert, demo
+from tests.support.fits import read_csv, rows_with
 
 
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
@@ -58,10 +58,7 @@ def test_demo_trains_and_raises_no_alert(tmp_path, norm):
 
 def logged_reads(out: Path) -> list[dict[str, str]]:
     """The CSV rows that hold a read, in step order."""
-    (path,) = (out / "csv").glob("version_*/metrics.csv")
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    return [r for r in rows if r.get("dd/sigma_min_ratio_min") not in (None, "")]
+    return rows_with(read_csv(out / "csv"), "dd/sigma_min_ratio_min")
 
 
 def test_collapse_example_alerts_at_the_cancelling_sublayer_and_stops(tmp_path):

@@ -22,7 +22,7 @@ from normscope.families.sign_magnitude import SignMagnitudeConfig, SignMagnitude
 from normscope.families.sign_magnitude.family import slice_batch
 from normscope.families.sign_magnitude.layers import find_block_linears, weight_matrix
 from normscope.families.sign_magnitude.probes import Probes
-from tests.hf_models import BATCH, SEQ, VOCAB, build_hf_model, token_batch
+from tests.support.hf_models import BATCH, SEQ, VOCAB, build_hf_model, token_batch
 
 ARCHS = ["gpt2", "llama", "gpt_neox_sequential"]
 STEPS, EVERY = 4, 2

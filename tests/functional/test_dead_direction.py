@@ -35,7 +35,7 @@ from normscope.functional import (
     schur_quotient,
 )
 from normscope.functional.dead_direction import rmsnorm_alignment_max
-from tests.functional.norm_rows import accumulate, layer_norm_rows, make_gamma, make_inputs
+from tests.support.norm_rows import accumulate, layer_norm_rows, make_gamma, make_inputs
 
 torch.set_num_threads(1)
 AGREE = 1e-10  # our float64 numbers vs numpy's (see module docstring)

@@ -19,7 +19,7 @@ import torch
 
 from normscope.functional import StreamingCovariance, gamma_read
 from normscope.functional.depth import DepthRead, direction_depth, spectral_depth
-from tests.functional.norm_rows import make_gamma
+from tests.support.norm_rows import make_gamma
 
 torch.set_num_threads(1)
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from normscope.functional import deepening, gamma_read, schur_quotient
 from normscope.functional.dead_direction import rows_comparable
-from tests.functional.norm_rows import accumulate, make_gamma, make_inputs
+from tests.support.norm_rows import accumulate, make_gamma, make_inputs
 
 torch.set_num_threads(1)
 

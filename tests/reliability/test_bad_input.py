@@ -4,8 +4,8 @@ never alerts on what it cannot read, says why a number is NaN, and reads what it
 
 What is already covered elsewhere is not repeated: NaN/Inf rows and masks of the accumulator
 (tests/functional/test_covariance.py), NaN gamma and too few rows in ``scan_model``
-(tests/monitors/test_scan.py), a model without norms and an unknown layer name for
-``DeadDirectionMonitor`` (tests/callbacks/test_dead_direction_monitor.py).
+(tests/families/test_scan.py), a model without norms and an unknown layer name for
+``DeadDirectionMonitor`` (tests/adapters/test_dead_direction_monitor.py).
 """
 
 from __future__ import annotations
@@ -19,23 +19,24 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.taps.hooks import call_model
-from tests.reliability.models import (
-    DictLM,
-    FeatureLM,
-    LitTiny,
-    NoNormLit,
-    ScaledLM,
-    corrupt_feature_loader,
+from tests.support.fits import (
     fit,
     logged_steps,
     normscope_failures,
-    padded_dict_loader,
     read_csv,
     recorded_warnings,
-    regression_loader,
     rows_with,
-    token_loader,
 )
+from tests.support.reliability_models import (
+    DictLM,
+    FeatureLM,
+    NoNormLit,
+    ScaledLM,
+    corrupt_feature_loader,
+    padded_dict_loader,
+    regression_loader,
+)
+from tests.support.tiny_models import LitTiny, token_loader
 
 
 def test_nan_and_inf_rows_are_dropped_counted_and_the_rest_read_exactly(tmp_path):

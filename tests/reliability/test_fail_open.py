@@ -19,20 +19,21 @@ from normscope.alerts import CallableRule
 from normscope.families.dead_direction import read as read_path
 from normscope.families.dead_direction.render import format_read_line
 from normscope.families.sign_magnitude import SignMagnitudeConfig, SignMagnitudeTracker
-from tests.reliability.models import (
-    DDFailingCSVLogger,
-    LitSparse,
-    LitTiny,
-    NarrowingLM,
-    TinyLM,
+from tests.support.fits import (
     assert_loss_logged_every_step,
     fit,
     logged_steps,
     normscope_failures,
     read_csv,
     recorded_warnings,
+)
+from tests.support.reliability_models import (
+    DDFailingCSVLogger,
+    LitSparse,
+    NarrowingLM,
     sparse_loader,
 )
+from tests.support.tiny_models import LitTiny, TinyLM
 
 
 def checkpointing(tmp_path: Path, every: int = 2) -> ModelCheckpoint:

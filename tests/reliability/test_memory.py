@@ -15,16 +15,9 @@ from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.alerts import CallableRule
 from normscope.families.dead_direction import DeadDirectionConfig, DeadDirectionTracker
 from normscope.taps.hooks import TapSet
-from tests.reliability.models import (
-    FreeLayerNorm,
-    LitTiny,
-    TinyLM,
-    fit,
-    normscope_failures,
-    read_csv,
-    recorded_warnings,
-    rows_with,
-)
+from tests.support.fits import fit, normscope_failures, read_csv, recorded_warnings, rows_with
+from tests.support.reliability_models import FreeLayerNorm
+from tests.support.tiny_models import LitTiny, TinyLM
 
 KIB = 1024
 

@@ -10,7 +10,7 @@ import torch
 
 from normscope import DeadDirectionMonitor
 from normscope.alerts import NonFiniteRule
-from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
+from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
 
 
 class NaNFrom(LitTiny):

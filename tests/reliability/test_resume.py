@@ -7,7 +7,6 @@ checkpoints are Lightning's own (``ModelCheckpoint(every_n_train_steps)``, and
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
@@ -17,23 +16,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
-from tests.reliability.models import (
-    LitTiny,
-    fit,
-    logged_steps,
-    read_csv,
-    rows_with,
-    token_loader,
-)
+from tests.support.fits import fit, logged_steps, read_csv, rows_with
+from tests.support.tiny_models import LitTiny, token_loader
 
 ACCUMULATE = 3  # micro-batches per optimiser step
 KILL_AT = 10  # micro-batch 10 = the 2nd of step 3's three: step 3 is a sampled window
 STEPS = 6
-
-
-def read_csv_at(log_dir: Path) -> list[dict[str, str]]:
-    with open(log_dir / "metrics.csv") as f:
-        return list(csv.DictReader(f))
 
 
 class Killed(Exception):
@@ -85,7 +73,7 @@ def test_dead_direction_monitor_resumes_a_run_killed_mid_window(tmp_path, ckpt):
     start = saved["global_step"]
     assert start == (3 if ckpt == "exception" else 2)
     assert trainer.global_step == STEPS
-    killed_rows = read_csv_at(tmp_path / "killed" / "version_0")
+    killed_rows = read_csv(tmp_path / "killed" / "version_0")
     rows = read_csv(trainer)
     # killed run: read 2 (the baseline window is step 1: step 0's forward is residual
     # discovery's); resumed: discovery again on its first batch, so a resume at step 3 (a

@@ -1,4 +1,4 @@
-"""The distributed fits of ``tests/scaleout/distributed_fits.py``, run once per test session.
+"""The distributed fits of ``tests/support/distributed_fits.py``, run once per test session.
 
 Lightning's DDP launcher re-runs the launching script for rank 1, so the fits live in a script
 of their own, run in a subprocess with a timeout: a collective that hangs fails the tests
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.processes import run_module
+from tests.support.processes import run_module
 
 TIMEOUT_S = 300  # the fits take ~30 s on 2 idle cores; a hang never returns
 
@@ -20,12 +20,12 @@ TIMEOUT_S = 300  # the fits take ~30 s on 2 idle cores; a hang never returns
 @pytest.fixture(scope="session")
 def distributed_run(tmp_path_factory) -> dict[str, Any]:
     """``{"out": folder, "results": {(fit, rank): dict}}`` of every fit in the script."""
-    from tests.scaleout.distributed_fits import FITS
+    from tests.support.distributed_fits import FITS
 
     out = tmp_path_factory.mktemp("distributed")
     # its own process group: on a hang, rank 1 (Lightning's child of rank 0) is killed too
     run_module(
-        "tests.scaleout.distributed_fits", out, timeout_s=TIMEOUT_S, what="the distributed fits"
+        "tests.support.distributed_fits", out, timeout_s=TIMEOUT_S, what="the distributed fits"
     )
     results = {
         (fit, rank): json.loads((out / f"{fit}_rank{rank}.json").read_text())

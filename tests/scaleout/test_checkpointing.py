@@ -9,7 +9,8 @@ from torch.utils.checkpoint import checkpoint
 
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule
-from tests.callbacks.tiny_models import LitTiny, cpu_trainer, token_loader
+from tests.support.fits import fit
+from tests.support.tiny_models import LitTiny
 
 ROWS_PER_STEP = 16 * 16  # one batch of 16 sequences of 16 tokens
 
@@ -38,7 +39,9 @@ class LitCheckpointed(LitTiny):
         return m.head(m.ln_f(x))
 
 
-def fit(use_reentrant: bool | None) -> tuple[dict[int, dict[str, float]], LitCheckpointed]:
+def checkpointed_fit(
+    use_reentrant: bool | None,
+) -> tuple[dict[int, dict[str, float]], LitCheckpointed]:
     torch.manual_seed(0)
     reads: dict[int, dict[str, float]] = {}
     monitor = DeadDirectionMonitor(
@@ -48,22 +51,21 @@ def fit(use_reentrant: bool | None) -> tuple[dict[int, dict[str, float]], LitChe
         verbose=False,
     )
     module = LitCheckpointed(use_reentrant)
-    trainer = cpu_trainer(4, [monitor])
-    trainer.fit(module, train_dataloaders=token_loader())
+    fit(None, module, monitor, steps=4, logger=False)
     assert monitor.failure is None and not monitor.disabled
     return reads, module
 
 
 @pytest.fixture(scope="module")
 def plain():
-    reads, module = fit(None)
+    reads, module = checkpointed_fit(None)
     assert module.block_calls == 4  # one forward per step
     return reads
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_recomputed_forwards_are_not_counted_twice(use_reentrant, plain):
-    reads, module = fit(use_reentrant)
+    reads, module = checkpointed_fit(use_reentrant)
     assert module.block_calls == 2 * 4  # the recomputation did run, inside every backward
     # step 0's forward (and its recomputation) is residual discovery's: windows 1 and 3
     assert sorted(reads) == sorted(plain) == [2, 4]

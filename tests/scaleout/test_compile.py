@@ -34,7 +34,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule
-from tests.callbacks.tiny_models import LitTiny, token_loader
+from tests.support.fits import fit
+from tests.support.tiny_models import LitTiny, token_loader
 
 STEPS = 6
 EVERY = 3
@@ -62,7 +63,7 @@ class FrameCount(Callback):
         self.after_step.append(self.counter.frame_count if self.counter else 0)
 
 
-def fit(
+def compiled_fit(
     how: str, **monitor_kw
 ) -> tuple[list[tuple[int, dict[str, float]]], FrameCount, DeadDirectionMonitor]:
     torch._dynamo.reset()
@@ -85,17 +86,7 @@ def fit(
     elif how == "lightning":
         model = torch.compile(module, backend=counter)
     frames = FrameCount(counter)
-    trainer = L.Trainer(
-        max_steps=STEPS,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        callbacks=[monitor, frames],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(model, train_dataloaders=token_loader())
+    fit(None, model, [monitor, frames], steps=STEPS, logger=False)
     torch._dynamo.reset()
     assert monitor.failure is None and not monitor.disabled
     return reads, frames, monitor
@@ -103,7 +94,7 @@ def fit(
 
 @pytest.fixture(scope="module")
 def eager_reads():
-    reads, _, _ = fit("eager")
+    reads, _, _ = compiled_fit("eager")
     # step 0's forward is residual discovery's (from the training forward): baseline window 1
     assert [s for s, _ in reads] == [2, 3, 6]
     return dict(reads)
@@ -117,7 +108,7 @@ def test_compiled_model_reads_without_recompiling(how, eager_reads):
     open-gate graphs at step 1, then no compile for the rest of the fit while the gate keeps
     flipping. The eager fit finds the stream from its step-0 training forward, so its baseline
     window is step 1 too."""
-    reads, frames, monitor = fit(how)
+    reads, frames, monitor = compiled_fit(how)
     assert frames.after_step[0] == 1
     assert frames.after_step[1] > 1
     assert frames.after_step[1:] == [frames.after_step[1]] * (STEPS - 1)
@@ -186,8 +177,8 @@ def test_per_source_reads_on_a_compiled_model():
     """``sources=`` labels each sampled batch outside the forward and folds in the hook's
     eager (compiler-disabled) region: the compiled fit's per-source reads are the eager fit's,
     and nothing compiles after the baseline window."""
-    eager, _, _ = fit("eager", sources=halves, alerts=())
-    reads, frames, _ = fit("in place", sources=halves, alerts=())
+    eager, _, _ = compiled_fit("eager", sources=halves, alerts=())
+    reads, frames, _ = compiled_fit("in place", sources=halves, alerts=())
     assert frames.after_step[1:] == [frames.after_step[1]] * (STEPS - 1)
     got, expected = dict(reads)[6], dict(eager)[6]
     keys = [k for k in expected if k.startswith(("dd.even/", "dd.odd/"))]

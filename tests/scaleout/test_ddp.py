@@ -1,24 +1,18 @@
 """DeadDirectionMonitor under real DDP: ``Trainer(strategy="ddp", devices=2, accelerator="cpu")``
-with gloo. The fits run in ``tests/scaleout/distributed_fits.py`` (fixture ``distributed_run``,
+with gloo. The fits run in ``tests/support/distributed_fits.py`` (fixture ``distributed_run``,
 conftest.py); each rank wrote what it saw as JSON."""
 
 from __future__ import annotations
 
-import csv
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from normscope.runs import read_wandb_run
-from tests.scaleout.expected import assert_reads_equal, floats, single_process_reads
-from tests.scaleout.shards import EXACT_MAX_STEPS, EXACT_STOP, LitDict, shard_batches
-
-
-def _csv_rows(log_dir: str) -> list[dict[str, str]]:
-    with open(Path(log_dir) / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+from tests.support.expected import assert_reads_equal, floats, single_process_reads
+from tests.support.fits import read_csv
+from tests.support.shards import EXACT_MAX_STEPS, EXACT_STOP, LitDict, shard_batches
 
 
 def test_reads_equal_the_single_process_reads_on_the_union_of_rows(distributed_run):
@@ -89,7 +83,7 @@ def test_only_rank_zero_writes_the_logs(distributed_run):
     the reduced values; one W&B run, holding the alert."""
     for fit in ("exact", "stop"):
         result = distributed_run["results"][fit, 0]
-        rows = [r for r in _csv_rows(result["log_dir"]) if r.get("dd/sigma_min_ratio_min")]
+        rows = [r for r in read_csv(result["log_dir"]) if r.get("dd/sigma_min_ratio_min")]
         assert [int(r["step"]) for r in rows] == [r["step"] for r in result["reads"]]
         for row, read in zip(rows, result["reads"]):
             assert float(row["dd/model.ln_f/gamma_alignment"]) == float(
@@ -117,7 +111,7 @@ def test_a_failure_on_one_rank_stalls_no_rank(distributed_run, what):
     stop_on_alert, so rank 0 waits for rank 1's stop vote). Both ranks finish every step (the
     subprocess has a timeout: a rank left waiting fails the fixture), rank 1 names its failure,
     rank 0 stops reading at the next handshake, and neither reads after it."""
-    from tests.scaleout.distributed_fits import FAIL_STEPS
+    from tests.support.distributed_fits import FAIL_STEPS
 
     r0 = distributed_run["results"]["fail", 0][what]
     r1 = distributed_run["results"]["fail", 1][what]
@@ -137,7 +131,7 @@ def test_sign_magnitude_outlier_reads_cover_every_rank(distributed_run):
     equal to one process fed both ranks' rows of the window (step 5) with the same weights
     (float64 sums in another order: 1e-10). Weights are replicated: their reads match too."""
     from normscope import SignMagnitudeConfig, SignMagnitudeTracker
-    from tests.scaleout.distributed_fits import SM_STEPS
+    from tests.support.distributed_fits import SM_STEPS
 
     r0, r1 = (distributed_run["results"]["sm", rank] for rank in (0, 1))
     assert r0["failure"] is None and r1["failure"] is None
@@ -165,7 +159,7 @@ def test_sign_magnitude_outlier_reads_cover_every_rank(distributed_run):
 
 
 def test_sign_magnitude_failure_on_one_rank_stalls_no_rank(distributed_run):
-    from tests.scaleout.distributed_fits import FAIL_STEPS
+    from tests.support.distributed_fits import FAIL_STEPS
 
     f0, f1 = (distributed_run["results"]["sm", rank]["fail"] for rank in (0, 1))
     assert f0["global_step"] == f1["global_step"] == FAIL_STEPS

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from tests.scaleout.expected import floats, single_process_reads
-from tests.scaleout.shards import LitSources
+from tests.support.expected import floats, single_process_reads
+from tests.support.shards import LitSources
 
 
 def test_per_source_reads_reduce_exactly_across_ranks(distributed_run):

@@ -1,5 +1,5 @@
 """Reads split across ranks, and asynchronous reads, under real DDP (2 CPU processes, gloo;
-the fits ``exact`` and ``exact_async`` of ``tests/scaleout/distributed_fits.py``).
+the fits ``exact`` and ``exact_async`` of ``tests/support/distributed_fits.py``).
 
 After the reduce every rank holds the same accumulators; each solves a round-robin share of the
 jobs (norm layers, residual points) and the records are gathered: every rank ends with
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.scaleout.expected import assert_reads_equal, single_process_reads
-from tests.scaleout.shards import EXACT_STOP, LitDict
+from tests.support.expected import assert_reads_equal, single_process_reads
+from tests.support.shards import EXACT_STOP, LitDict
 
 
 @pytest.mark.parametrize("fit", ["exact", "exact_async"])

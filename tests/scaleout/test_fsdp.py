@@ -2,7 +2,7 @@
 
 FSDP2 runs for real: Lightning's ``ModelParallelStrategy`` on 2 CPU processes (gloo), the model
 built and sharded with ``fully_shard`` in ``configure_model`` (fit ``fsdp`` of
-``tests/scaleout/distributed_fits.py``). Lightning's ``FSDPStrategy`` (FSDP1) cannot run here:
+``tests/support/distributed_fits.py``). Lightning's ``FSDPStrategy`` (FSDP1) cannot run here:
 Lightning refuses it on a CPU ("requires a GPU accelerator"); normscope refuses it too, at setup,
 for its own reason (gamma lives in flat shards outside the forward), as it refuses DeepSpeed."""
 
@@ -25,10 +25,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
 from normscope.adapters.lightning import check_strategy
-from tests.callbacks.tiny_models import cpu_trainer
-from tests.scaleout.distributed_fits import LitSharded
-from tests.scaleout.expected import single_process_reads
-from tests.scaleout.shards import LitDict
+from tests.support.distributed_fits import LitSharded
+from tests.support.expected import single_process_reads
+from tests.support.shards import LitDict
+from tests.support.tiny_models import cpu_trainer
 
 
 def test_fsdp2_reads_equal_the_single_process_reads(distributed_run):
@@ -137,13 +137,13 @@ def test_layers_built_in_configure_model_are_found_at_fit_start(tmp_path):
         def configure_model(self):
             if self.model is None:
                 torch.manual_seed(0)
-                from tests.callbacks.tiny_models import TinyLM
+                from tests.support.tiny_models import TinyLM
 
                 self.model = TinyLM()
 
     monitor = DeadDirectionMonitor(every_n_steps=2, verbose=False)
     trainer = cpu_trainer(2, [monitor])
-    from tests.scaleout.shards import DictTokens
+    from tests.support.shards import DictTokens
 
     trainer.fit(Built(), train_dataloaders=torch.utils.data.DataLoader(DictTokens(), batch_size=16))
     # window 1 only: step 0's forward is residual discovery's

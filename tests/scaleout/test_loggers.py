@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from normscope import DeadDirectionMonitor
 from normscope.alerts import CallableRule, alert_text
 from normscope.runs import read_csv_run, read_tensorboard_run, read_wandb_run
-from tests.callbacks.tiny_models import LitTiny, token_loader
+from tests.support.tiny_models import LitTiny, token_loader
 
 STEPS = 8
 EVERY = 2  # reads after steps 1, 2, 4, 6, 8 (windows: steps 0, 1, 3, 5, 7)

@@ -15,13 +15,13 @@ Measured here (LitTiny, d = 16, 8 steps, lr 3e-3):
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 
 from normscope import DeadDirectionMonitor
 from normscope.functional import StreamingCovariance, kernel_read
-from tests.callbacks.tiny_models import LitTiny, token_loader
+from tests.support.fits import fit
+from tests.support.tiny_models import LitTiny
 
 EVERY = 4  # reads after steps 1, 4, 8; the last read holds the rows of step 7
 LAST_WINDOW = 7
@@ -58,7 +58,7 @@ def test_the_floor_formula_on_a_bare_bf16_layernorm():
 NORMS = ["model.h.0.ln_1", "model.h.0.ln_2", "model.h.1.ln_1", "model.h.1.ln_2", "model.ln_f"]
 
 
-def fit(precision: str, null_tol: float, *extra: DeadDirectionMonitor):
+def fit_at(precision: str, null_tol: float, *extra: DeadDirectionMonitor):
     torch.manual_seed(0)
     # every row read: the rounding floor is computed from all the rows the hooks saw
     monitor = DeadDirectionMonitor(
@@ -74,18 +74,7 @@ def fit(precision: str, null_tol: float, *extra: DeadDirectionMonitor):
             seen["gamma"] = mod.weight.detach().clone()
 
     module.model.ln_f.register_forward_hook(keep)
-    trainer = L.Trainer(
-        max_steps=8,
-        accelerator="cpu",
-        devices=1,
-        precision=precision,
-        logger=False,
-        callbacks=[monitor, *extra],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer.fit(module, train_dataloaders=token_loader())
+    fit(None, module, [monitor, *extra], steps=8, logger=False, precision=precision)
     assert monitor.failure is None and monitor.last_read_step == 8
     return monitor, seen
 
@@ -95,7 +84,7 @@ def _per_norm(metrics: dict[str, float], metric: str) -> list[float]:
 
 
 def test_bf16_mixed_keeps_layernorm_in_float32_and_the_kernel_exact():
-    monitor, seen = fit("bf16-mixed", null_tol=1e-10)
+    monitor, seen = fit_at("bf16-mixed", null_tol=1e-10)
     assert seen["dtypes"] == (torch.float32, torch.float32)
     last = monitor.last_report.as_dict()
     assert max(_per_norm(last, "/kernel_residual")) < 1e-13
@@ -117,7 +106,7 @@ def test_bf16_true_reads_the_kernel_at_the_rounding_floor():
         rows_per_read="all",
     )
     with pytest.warns(UserWarning, match="bf16-true.*null_tol=1e-4") as caught:
-        monitor, seen = fit("bf16-true", 1e-10, raised)
+        monitor, seen = fit_at("bf16-true", 1e-10, raised)
     assert sum("null_tol" in str(w.message) for w in caught) == 1  # the default one only
     assert seen["dtypes"] == (torch.bfloat16, torch.bfloat16)
     last = monitor.last_report.as_dict()

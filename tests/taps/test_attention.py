@@ -17,8 +17,8 @@ from torch.overrides import _get_current_function_mode_stack
 
 from normscope.taps.attention import AttentionLogits, find_attention_modules
 from normscope.taps.hooks import Gate
-from tests.callbacks.tiny_models import TinyLM
-from tests.hf_models import build_hf_model
+from tests.support.hf_models import build_hf_model
+from tests.support.tiny_models import TinyLM
 
 
 def _read(model: nn.Module, forward, names=None) -> dict[str, float | None]:

@@ -30,7 +30,7 @@ from normscope.taps import (
     register_norm_adapter,
     unregister_norm_adapter,
 )
-from tests.hf_models import HF_ARCHITECTURES, HIDDEN, build_hf_model
+from tests.support.hf_models import HF_ARCHITECTURES, HIDDEN, build_hf_model
 
 torch.set_num_threads(1)
 

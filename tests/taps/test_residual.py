@@ -21,7 +21,7 @@ from normscope.taps import (
     tap_input,
     tap_output,
 )
-from tests.hf_models import (
+from tests.support.hf_models import (
     HF_ARCHITECTURES,
     TinyPreNormTransformer,
     build_hf_model,
@@ -415,7 +415,7 @@ def test_a_listed_subset_of_norms_reads_block_boundaries_and_says_so() -> None:
     layout's last note says the other notes know only the listed norms; all 13 listed is the
     same layout as "auto", with no such note."""
     from normscope.families import DeadDirectionConfig, DeadDirectionTracker
-    from tests.callbacks.tiny_models import TinyLM
+    from tests.support.tiny_models import TinyLM
 
     torch.manual_seed(0)
     model = TinyLM(layers=6, d=16)

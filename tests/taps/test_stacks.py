@@ -8,8 +8,8 @@ from torch import nn
 from normscope.families.sign_magnitude import find_block_linears
 from normscope.families.sign_magnitude.layers import is_linear
 from normscope.taps.stacks import longest_stack, same_class_stacks
-from tests.callbacks.tiny_models import TinyLM
-from tests.hf_models import HF_ARCHITECTURES, build_hf_model
+from tests.support.hf_models import HF_ARCHITECTURES, build_hf_model
+from tests.support.tiny_models import TinyLM
 
 
 def _old_block_stack(model: nn.Module):
