@@ -18,12 +18,12 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["CapturedCall", "ForwardCapture", "has_own_forward"]
+__all__ = ["CapturedCall", "ForwardCapture", "has_own_forward", "inner_model"]
 
 
 def has_own_forward(model: nn.Module) -> bool:
-    """Whether ``model`` defines ``forward()``: a ``LightningModule`` that only has a
-    ``training_step`` does not (``LightningModule.forward`` passes the call on to
+    """Whether ``model`` (or the model a ``torch.compile`` wrapper holds) defines ``forward()``:
+    a ``LightningModule`` that only has a ``training_step`` does not (``LightningModule.forward`` passes the call on to
     ``nn.Module``'s, which raises ``_forward_unimplemented``).
 
     Example::
@@ -31,12 +31,37 @@ def has_own_forward(model: nn.Module) -> bool:
         >>> has_own_forward(nn.Linear(2, 2)), has_own_forward(nn.Module())
         (True, False)
     """
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model it compiled
     forward = type(model).forward
     return forward is not nn.Module.forward and forward.__qualname__ not in _PASS_THROUGH
 
 
 #: the ``forward`` of a base class that only hands the call on to ``nn.Module.forward``
 _PASS_THROUGH = ("LightningModule.forward",)
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The module a forward of ``model`` should run through: ``model`` itself when it has its
+    own ``forward()``, else (the usual wrapper: a ``LightningModule`` holding a Hugging Face
+    model as ``self.model`` and calling it in ``training_step``) its direct child with a
+    ``forward()`` of its own that holds the most parameters; ``model`` when it has none.
+
+    Example::
+
+        >>> class Wrapper(nn.Module):  # no forward(), like a LightningModule with only a training_step
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.model, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+        >>> w = Wrapper()
+        >>> inner_model(w) is w.model, inner_model(w.model) is w.model
+        (True, True)
+    """
+    if has_own_forward(model):
+        return model
+    children = [c for _, c in model.named_children() if has_own_forward(c)]
+    if not children:
+        return model
+    return max(children, key=lambda c: sum(p.numel() for p in c.parameters()))
 
 
 @dataclass

@@ -27,6 +27,7 @@ from normscope.families.dead_direction.report import (
 )
 from normscope.families.dead_direction.tracker import DeadDirectionTracker
 from normscope.families.dead_direction.window import ReadRecords, ReadWindow
+from normscope.taps.forward_capture import inner_model
 from normscope.taps.hooks import batch_mask, call_model, compiled, eager_forwards
 from normscope.taps.paths import key_path
 
@@ -165,8 +166,10 @@ class DeadDirectionFamily:
 
         try:
             # eager even on a compiled model: dynamo must not trace discovery's identity hooks
+            # a wrapper without a forward() of its own: through the model it holds
+            target = model if self.config.example_forward is not None else inner_model(model)
             with torch.no_grad(), eager_forwards():
-                self.tracker.attach(forward=lambda: forward(model, batch))
+                self.tracker.attach(forward=lambda: forward(target, batch))
         except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
             self._profile_off(f"the discovery forward failed ({type(err).__name__}: {err})")
             return

@@ -19,7 +19,7 @@ from normscope._common import ConfigurationError
 from normscope.alerts import AlertRule, OutlierRule, SignChurnSpikeRule
 from normscope.families.sign_magnitude.report import SignMagnitudeReport
 from normscope.families.sign_magnitude.tracker import SignMagnitudeTracker
-from normscope.taps.forward_capture import ForwardCapture, has_own_forward
+from normscope.taps.forward_capture import ForwardCapture, has_own_forward, inner_model
 from normscope.taps.hooks import call_model, compiled, eager_forwards
 
 if TYPE_CHECKING:
@@ -202,8 +202,10 @@ class SignMagnitudeFamily:
         if call is not None:
             inner = model.get_submodule(call.path)
             return lambda: call_model(inner, batch)
-        forward = self.config.example_forward or call_model
-        return lambda: forward(model, batch)
+        if self.config.example_forward is not None:
+            return lambda: self.config.example_forward(model, batch)
+        target = inner_model(model)  # a wrapper with no forward(): the model it holds (compiled)
+        return lambda: call_model(target, batch)
 
     def metrics(self, report: SignMagnitudeReport) -> dict[str, float]:
         return report.as_dict()
