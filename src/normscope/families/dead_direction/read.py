@@ -225,6 +225,7 @@ def finish_report(
             ],
             [t.accumulator.count for t in window.point_taps],
             [t.dim for t in window.point_taps],
+            window.placement,
         )
     rejected = sum(t.accumulator.rows_rejected for t in window.taps)
     failed = dict(window.failed_taps)
