@@ -131,3 +131,45 @@ def test_every_deliberate_error_shares_one_base_and_keeps_its_builtin() -> None:
     for cls in (NormDiscoveryError, ResidualDiscoveryError, RunReadError):
         assert issubclass(cls, normscope.NormscopeError) and issubclass(cls, ValueError)
     assert issubclass(CLIError, normscope.NormscopeError)
+
+
+def _collapse_read(share: float, ratio: float = 0.6) -> dict[str, float]:
+    return {
+        "dd/ln_f/rankme": 2.0,
+        "dd/ln_f/n_rows": 1024.0,
+        "dd/final_rows_per_dim": 16.0,
+        "dd/final_out_offset_share": share,
+        "dd/final_rankme_centred": 48.0,
+        "dd/sigma_min_ratio_min": ratio,
+    }
+
+
+def test_representation_collapse_fires_on_the_jump_not_at_the_line():
+    """Issue 41's self-supervised collapse: offset share 0.07 (step 2), then 0.986, 0.992,
+    0.993, 0.994 (steps 10-40). The frozen rule fired at step 40; the jump fires at step 10."""
+    from normscope.alerts import RepresentationCollapseRule
+
+    rule = RepresentationCollapseRule()
+    fired = []
+    for step, share in ((2, 0.07), (10, 0.986), (20, 0.992), (30, 0.993), (40, 0.994)):
+        fired += [a.step for a in rule.evaluate(_collapse_read(share), step)]
+    assert fired == [10]
+    frozen = RepresentationCollapseRule(jump_to=None)
+    fired = []
+    for step, share in ((2, 0.07), (10, 0.986), (20, 0.992), (30, 0.993), (40, 0.994)):
+        fired += [a.step for a in frozen.evaluate(_collapse_read(share), step)]
+    assert fired and fired[0] > 10
+
+
+def test_representation_collapse_stays_quiet_on_a_language_models_first_steps():
+    """The demo's offset share rises from low in the unigram phase, past the jump line, with
+    the stream's width kept (smallest ratio 1.13-1.82, docs/alerts.md); and a jump without the
+    profile (no narrowing to read) never fires on one read."""
+    from normscope.alerts import RepresentationCollapseRule
+
+    rule = RepresentationCollapseRule()
+    for step, (share, ratio) in enumerate(((0.29, 4.65), (0.9941, 1.13), (0.97, 1.5), (0.7, 9.4))):
+        assert rule.evaluate(_collapse_read(share, ratio), step) == []
+    rule = RepresentationCollapseRule()
+    assert rule.evaluate(_collapse_read(0.07, math.nan), 2) == []
+    assert rule.evaluate(_collapse_read(0.986, math.nan), 10) == []

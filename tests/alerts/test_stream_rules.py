@@ -152,7 +152,9 @@ def test_a_collapse_seen_arriving_alerts_at_one_read():
     0.42-0.83): the transition read alerts alone."""
     reads = [_final(0.55, 49.0, 1.1), _final(0.994, 49.0, 0.76), _final(0.9985, 50.0, 0.7)]
     assert _first_alert(RepresentationCollapseRule(), reads) == 1
-    assert _first_alert(RepresentationCollapseRule(rise_from=None), reads) == 2  # as before
+    assert (
+        _first_alert(RepresentationCollapseRule(rise_from=None, jump_to=None), reads) == 2
+    )  # as before
     # without the sigma_min profile (no stream found): no transition, two reads
     blind = [{k: v for k, v in m.items() if k != "dd/sigma_min_ratio_min"} for m in reads]
     assert _first_alert(RepresentationCollapseRule(), blind) == 2
@@ -165,10 +167,13 @@ def test_a_state_seen_from_the_first_read_needs_two():
     assert _first_alert(rule, [_final(0.995, 50.0), _final(0.996, 50.0)]) == 1
     through = [_final(0.93, 49.1, 0.98), _final(0.9941, 46.4, 0.8), _final(0.9987, 43.3, 0.7)]
     assert _first_alert(RepresentationCollapseRule(), through) == 2
-    # a read the rows cannot tell from the line (0.9915 from 512 rows) breaks the transition
-    # and counts for nothing: two decided reads after it
-    ambiguous = [_final(0.5, 49.0), _final(0.9915, 48.0), _final(0.995, 48.0)]
-    assert _first_alert(RepresentationCollapseRule(), ambiguous + [_final(0.996, 48.0)]) == 3
+    # a read the rows cannot tell from the 0.99 line (0.9915 from 512 rows) breaks the frozen
+    # rule's transition and counts for nothing: two decided reads after it ...
+    ambiguous = [_final(0.5, 49.0), _final(0.9915, 48.0), _final(0.995, 48.0), _final(0.996, 48.0)]
+    assert _first_alert(RepresentationCollapseRule(jump_to=None), ambiguous) == 3
+    # ... while the jump (0.5 to confidently over 0.95 in one read, the stream narrowing) is the
+    # collapse arriving, whatever line it settles under
+    assert _first_alert(RepresentationCollapseRule(), ambiguous) == 1
 
 
 def test_a_healthy_jump_whose_stream_keeps_its_width_does_not_alert_at_once():
@@ -179,7 +184,12 @@ def test_a_healthy_jump_whose_stream_keeps_its_width_does_not_alert_at_once():
     input in either (smallest sigma_min ratio 1.19, 1.37)."""
     twin = [_final(0.585, 48.0, 1.05), _final(0.99998, 39.3, 1.19), _final(0.99997, 17.9, 1.3)]
     assert _first_alert(RepresentationCollapseRule(), twin) is None
-    one = {"patience": 1, "rise_from": None, "narrower_below": None}  # offset and rest only
+    one = {
+        "patience": 1,
+        "rise_from": None,
+        "jump_to": None,
+        "narrower_below": None,
+    }  # offset, rest
     assert _first_alert(RepresentationCollapseRule(**one), twin) == 1
     demo = [_final(0.554, 49.0, 1.06), _final(0.9933, 47.3, 1.37), _final(0.961, 29.2, 1.23)]
     assert _first_alert(RepresentationCollapseRule(), demo) is None

@@ -71,7 +71,8 @@ def test_minilm_scan_reads_the_aligned_layernorms_and_the_dead_channels(minilm) 
         assert n["baseline"]["gamma_alignment"] >= 0.9999, name
     last = norms[LAST_LN]
     assert last["dead_channels"] == 3 and last["dead_index"] == [127, 223, 319]
-    assert last["norm_class"] == "indeterminate" and last["null_dim"] == 3
+    # three channels under the dead tolerance, none zero: the centring along gamma^-1 decides
+    assert last["norm_class"] == "layernorm-like" and last["null_dim"] == 3
     assert last["delta_gamma"] is None  # NaN -> null in JSON
     assert any("post-norm model" in n and "post_norm" in n for n in result["notes"])
     # the checkpoint's gamma, read with numpy: the same three channels are dead
@@ -100,16 +101,17 @@ def test_minilm_scan_prints_the_table(minilm) -> None:
     assert emb[6] == "layernorm-like"
     last = rows[LAST_LN]
     # post-norm: Delta_gamma has no premise, and the table says why instead of "nan"
-    assert last[3] == "3" and last[6] == "indeterminate" and last[7] == "post_norm"
+    assert last[3] == "3" and last[6] == "layernorm-like" and last[7] == "post_norm"
     assert emb[7] == "post_norm" and "post-norm model" in stdout
     head = next(line for line in stdout.splitlines() if line.startswith("norm layer"))
     for column in ("kind", "spread", "dead", "gamma_align", "kernel_res", "norm_class",
                    "Delta_g", "control"):  # fmt: skip
         assert column in head
-    # the depth profile: every point with its sublayer, ratio 1 at p_0, and the twin's ratio
+    # the depth profile: every point with its sublayer
     profile_head = next(line for line in stdout.splitlines() if line.startswith("residual point"))
     assert "init_ratio" in profile_head
-    assert rows["encoder.layer.0"][3:6] == ["1.000", "1.000", "1.000"]
+    # post-norm points are LayerNorm outputs: no ratio, said in words (issue 41)
+    assert rows["encoder.layer.0"][3:6] == ["post_norm", "post_norm", "post_norm"]
     assert rows["encoder.layer.3.output"][1] == "block"
     assert f"to {out}/" in stdout
 

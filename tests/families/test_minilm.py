@@ -70,8 +70,10 @@ def test_last_layernorm_has_dead_channels_that_span_the_kernel() -> None:
     assert kernel.gamma_alignment == pytest.approx(1.0, abs=1e-9)
     assert kernel.kernel_residual <= 1e-12
     assert kernel.reason == "dead_channels"
-    # With dead channels both kinds have the e_i in their kernel: no class, so no mismatch.
-    assert kernel.norm_class == "indeterminate" and not kernel.kind_mismatch
+    # The e_i are in both kinds' kernels, but no gain is exactly zero: the centring along
+    # gamma^-1 still reads the LayerNorm (issue 41; before, no class)
+    assert kernel.centring_residual <= 1e-8 and kernel.class_reason is None
+    assert kernel.norm_class == "layernorm-like" and not kernel.kind_mismatch
     # post-norm comes first among the reasons: the input reads have no premise at all here
     assert math.isnan(norm.schur.schur_quotient) and norm.schur.reason == "post_norm"
     logged = report.as_dict()
@@ -87,16 +89,21 @@ def test_post_ln_profile_is_over_block_outputs_with_the_note() -> None:
     names = [p.name for p in report.profile.points]
     assert names == ["encoder.layer.0"] + [f"encoder.layer.{k}.output" for k in range(6)]
     real_tokens = int(sum(b["attention_mask"].sum() for b in batches))
-    first = report.profile.points[0].sigma_min
+    # Every point is a LayerNorm output, whose smallest direction is that norm's own kernel by
+    # construction: no ratio, no step, no run-level minimum is a number (issue 41: the exit
+    # point's ratio read 4e-4 before), reason post_norm; sigma_min itself is still read.
     for point in report.profile.points:
-        assert point.n_rows == real_tokens and point.reason is None
-        assert point.sigma_min_ratio == pytest.approx(point.sigma_min / first, rel=1e-12)
+        assert point.n_rows == real_tokens and point.reason == "post_norm"
+        assert math.isnan(point.sigma_min_ratio) and math.isnan(point.sigma_min_step)
+        assert math.isfinite(point.sigma_min)
+    assert math.isnan(report.profile.sigma_min_ratio_min)
+    assert report.profile.reason == "post_norm" and report.profile.worst_point is None
+    logged = report.as_dict()
+    assert math.isnan(logged["dd/sigma_min_ratio_min"])
     # before the exit every point is well above the rounding floor (measured 6e-3 .. 2e-2)
     assert all(p.sigma_min > 1e-3 for p in report.profile.points[:-1])
-    # Every point is a LayerNorm output (post-LN), and the last one has the three dead
-    # channels: constant outputs, so the uncentred second moment there is rank-deficient and
-    # sigma_min collapses to the rounding floor (measured ~1e-9 against ~1e-2 elsewhere).
-    # An artefact of post-LN plus dead channels, which is what the note warns about.
+    # the last one has the three dead channels: constant outputs, so the uncentred second
+    # moment there is rank-deficient and sigma_min collapses to the rounding floor (measured
+    # ~1e-9 against ~1e-2 elsewhere): an artefact of post-LN plus dead channels
     exit_point = report.profile.points[-1]
     assert exit_point.sigma_min < 1e-6 * max(p.sigma_min for p in report.profile.points)
-    assert report.profile.worst_point == "encoder.layer.5.output"

@@ -103,3 +103,45 @@ def test_full_rank_input_headline_is_gamma_alignment():
     acc = covariance(F.layer_norm(rows(d, 8 * d, 1, False), (d,), gamma))
     read = kernel_read(acc.covariance(), gamma.double(), acc.count)
     assert read.null_dim == 1 and read.kernel_alignment == read.gamma_alignment > 0.9999
+
+
+def _through_real_norm(norm: str, d: int, sigma: float, seed: int):
+    """Rows through a real ``nn.LayerNorm`` / ``nn.RMSNorm`` with log-normal gains, read."""
+    g = torch.Generator().manual_seed(seed * 101 + d)
+    m = torch.nn.LayerNorm(d) if norm == "layernorm" else torch.nn.RMSNorm(d)
+    with torch.no_grad():
+        m.weight.copy_(torch.exp(sigma * torch.randn(d, generator=g)))
+        if norm == "layernorm":
+            m.bias.copy_(0.1 * torch.randn(d, generator=g))
+        x = torch.randn(4 * d, d, generator=g) * torch.rand(d, generator=g) ** 4
+        y = m(x + torch.randn(d, generator=g))
+    acc = StreamingCovariance(d)
+    acc.update(y)
+    return kernel_read(acc.covariance(), m.weight.detach().double(), acc.count)
+
+
+def test_the_classifier_decides_across_widths_and_uneven_gains():
+    """Issue 41: widths 32-1024, log-normal gains up to sigma 3 (channels under the dead
+    tolerance, none zero): no LayerNorm whose kernel is there (centring residual under 1e-8,
+    which bounds ``kernel_residual``) is left undecided, none wrong."""
+    for norm, want in (("layernorm", "layernorm-like"), ("rmsnorm", "rmsnorm-like")):
+        for d in (32, 128, 256, 1024):
+            for sigma in (0.5, 2.0, 3.0) if d < 1024 else (3.0,):
+                read = _through_real_norm(norm, d, sigma, seed=0)
+                if norm == "rmsnorm" and read.reason == "dead_channels":
+                    # gains under the dead tolerance: only a LayerNorm's centring decides
+                    assert (read.norm_class, read.class_reason) == ("indeterminate", read.reason)
+                    continue
+                assert read.norm_class == want, (norm, d, sigma, read)
+                assert read.class_reason is None
+
+
+def test_a_zero_gain_leaves_the_class_undecided_with_the_reason():
+    d = 16
+    gamma = torch.ones(d)
+    gamma[3] = 0.0
+    y = torch.nn.functional.layer_norm(torch.randn(256, d), (d,), gamma)
+    acc = StreamingCovariance(d)
+    acc.update(y)
+    read = kernel_read(acc.covariance(), gamma, acc.count)
+    assert (read.norm_class, read.class_reason) == ("indeterminate", "dead_channels")

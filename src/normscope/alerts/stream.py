@@ -120,7 +120,9 @@ class RepresentationCollapseRule(EpisodeRule):
     at least ``min_spread_rank`` x the width), and the stream narrows (``dd/sigma_min_ratio_min``
     under ``narrower_below``, unless the stream's input is itself over the line). It fires on
     two such reads in a row, or on one that is the transition from a read clearly under
-    ``rise_from``; without the final norm's reads it does not decide. Why each condition, and
+    ``rise_from``: the transition may land anywhere over ``jump_to`` (a loss of spread in one
+    read, 0.07 -> 0.986, is the collapse whatever line it settles under), but needs the
+    narrowing read; without the final norm's reads it does not decide. Why each condition, and
     the runs the thresholds were chosen on: docs/alerts.md, "How
     ``RepresentationCollapseRule`` decides".
 
@@ -132,6 +134,9 @@ class RepresentationCollapseRule(EpisodeRule):
         patience: reads in a row.
         rise_from: after a read clearly under this share, one read fires (None: never).
         narrower_below: the narrowing line (None: the profile is not consulted).
+        jump_to: a transition from clearly under ``rise_from`` to over this share (with
+            confidence), with the rest unstructured and the stream narrowing, fires at once
+            (None: only over ``alert_above``).
 
     Example::
 
@@ -145,6 +150,11 @@ class RepresentationCollapseRule(EpisodeRule):
         []
         >>> narrowing = {**m, "dd/sigma_min_ratio_min": 0.7}
         >>> [a.rule for a in rule.evaluate(narrowing, 20)]  # the transition: one read
+        ['representation_collapse']
+        >>> rule = RepresentationCollapseRule()
+        >>> rule.evaluate({**narrowing, "dd/final_out_offset_share": 0.07}, 2)
+        []
+        >>> [a.rule for a in rule.evaluate({**narrowing, "dd/final_out_offset_share": 0.986}, 10)]
         ['representation_collapse']
     """
 
@@ -161,6 +171,7 @@ class RepresentationCollapseRule(EpisodeRule):
         patience: int = 2,
         rise_from: float | None = 0.8,
         narrower_below: float | None = 1.0,
+        jump_to: float | None = 0.95,
     ) -> None:
         super().__init__(patience)
         if not 0 < alert_above < 1 or not 0 <= min_spread_rank <= 1:
@@ -173,6 +184,13 @@ class RepresentationCollapseRule(EpisodeRule):
                 "RepresentationCollapseRule: rise_from must be in (0, alert_above) or None, got "
                 f"{rise_from}"
             )
+        if jump_to is not None and not (rise_from is not None and rise_from < jump_to):
+            raise ValueError(
+                "RepresentationCollapseRule: jump_to must be in (rise_from, 1) or None (and "
+                f"needs rise_from), got {jump_to} with rise_from {rise_from}"
+            )
+        if jump_to is not None and not jump_to < 1:
+            raise ValueError(f"RepresentationCollapseRule: jump_to must be < 1, got {jump_to}")
         if narrower_below is not None and not narrower_below > 0:
             raise ValueError(
                 "RepresentationCollapseRule: narrower_below must be > 0 or None, got "
@@ -184,6 +202,7 @@ class RepresentationCollapseRule(EpisodeRule):
         self.min_rows = int(min_rows)
         self.rise_from = None if rise_from is None else float(rise_from)
         self.narrower_below = None if narrower_below is None else float(narrower_below)
+        self.jump_to = None if jump_to is None else float(jump_to)
         #: whether the last read with a share was clearly under ``rise_from`` (None: no read yet)
         self.was_low: bool | None = None
 
@@ -202,16 +221,25 @@ class RepresentationCollapseRule(EpisodeRule):
         # this read, for the next one: clearly under rise_from (the spread's interval above 1 - it)
         self.was_low = self.rise_from is not None and lo > 1.0 - self.rise_from
         limit = 1.0 - self.alert_above
-        if spread >= limit:
+        narrowest = metrics.get("dd/sigma_min_ratio_min", math.nan)
+        narrowed = (
+            self.narrower_below is not None
+            and math.isfinite(narrowest)
+            and (narrowest < self.narrower_below or _input_share(metrics) > self.alert_above)
+        )
+        # a jump: from clearly under rise_from to (confidently) over jump_to in one read, with
+        # the stream narrowing behind it (never without the profile: a language model's first
+        # steps jump too, and keep the stream's width)
+        jump = bool(was_low) and self.jump_to is not None and hi < 1.0 - self.jump_to and narrowed
+        if spread >= limit and not jump:
             return False, None
-        if hi >= limit:
+        if hi >= limit and not jump:
             return None, None  # above the line, but the rows cannot tell it from the line
         width = rows / per_dim if per_dim > 0 else math.nan
         if not (math.isfinite(spread_rank) and math.isfinite(width)):
             return None, None
         if spread_rank < self.min_spread_rank * min(width, rows - 1):
             return False, None  # one large shared vector, but the rest is structured
-        narrowest = metrics.get("dd/sigma_min_ratio_min", math.nan)
         if self.narrower_below is not None and math.isfinite(narrowest):
             # the stream's input over the line too: the embedding itself collapsed, and the
             # ratios, read against it, cannot fall
@@ -224,15 +252,17 @@ class RepresentationCollapseRule(EpisodeRule):
                 # the transition itself, from clearly under rise_from at the previous read,
                 # with the stream narrowing behind it: it stands for the whole patience
                 self.count = max(self.count, self.patience - 1)
+        line = self.alert_above if spread < limit else self.jump_to
+        how = "" if spread < limit else ", in one read from clearly under " + f"{self.rise_from:g}"
         return True, Alert(
             self.name,
             key,
             self.step,
             float(share),
-            self.alert_above,
+            float(line),
             f"representation collapse at step {self.step}: the final norm's output rows are one "
             f"shared vector up to {spread:.2%} of their energy (at most {hi:.2%} from "
-            f"{rows:.0f} rows; offset share {share:.4f} > {self.alert_above:g}), and the rest "
+            f"{rows:.0f} rows; offset share {share:.4f} > {line:g}{how}), and the rest "
             f"varies in no particular direction (centred RankMe {spread_rank:.3g} of "
             f"{width:.0f})",
             point=final,

@@ -177,12 +177,22 @@ def profile_rows(result: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]
     rows = [
         [
             p["name"], p["sublayer"] or "-", _f(p["sigma_min"], ".4g"),
-            _f(p["sigma_min_ratio"], ".3f"), _f(p["sigma_min_step"], ".3f"),
-            _f(p["baseline_ratio"], ".3f"),
+            _ratio_cell(p, "sigma_min_ratio"), _ratio_cell(p, "sigma_min_step"),
+            _ratio_cell(p, "baseline_ratio"),
         ]
         for p in result["profile"]
     ]  # fmt: skip
     return head, rows
+
+
+def _ratio_cell(point: Mapping[str, Any], key: str) -> str:
+    """A profile ratio, or ``post_norm`` where a post-norm point has none (never ``nan``)."""
+    value = point.get(key)
+    if point.get("reason") == "post_norm" and not (
+        isinstance(value, (int, float)) and math.isfinite(value)
+    ):
+        return "post_norm"
+    return _f(value, ".3f")
 
 
 def _scan_facts(result: Mapping[str, Any]) -> list[str]:

@@ -58,7 +58,6 @@ from normscope.functional.gamma import (
 )
 from normscope.functional.kernel import (
     DECLARED_KINDS,
-    LAYERNORM_ALIGNMENT_MIN,
     LAYERNORM_RESIDUAL_MAX,
     NORM_CLASSES,
     RMSNORM_ALIGNMENT_CAP,
@@ -78,7 +77,6 @@ from normscope.functional.schur import (
 
 __all__ = [
     "DECLARED_KINDS",
-    "LAYERNORM_ALIGNMENT_MIN",
     "LAYERNORM_RESIDUAL_MAX",
     "NORM_CLASSES",
     "RMSNORM_ALIGNMENT_CAP",

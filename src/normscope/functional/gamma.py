@@ -66,8 +66,12 @@ class GammaRead:
     ``gamma_min``/``gamma_max`` are the signed extremes of ``gamma``; ``gamma_spread`` is
     ``std(gamma) / mean(|gamma|)`` with the population std (``ddof = 0``). With a non-finite
     ``gamma`` those three are NaN and ``dead_channels`` counts only the finite entries at or
-    below the tolerance. ``dead_index``, ``v_star``, ``dim`` and ``reason`` are not in
-    :meth:`as_dict`.
+    below the tolerance. ``dead_index``, ``v_star``, ``dim``, ``reason`` and
+    ``dead_centring`` are not in :meth:`as_dict`.
+
+    ``dead_centring`` is ``gamma^-1 / ||gamma^-1||`` when channels sit under the dead tolerance
+    without being zero (``v_star`` is None there: the kernel reads use the ``e_i``), so the
+    norm-type classifier can still read the centring along it (:attr:`centring_direction`).
     """
 
     dead_channels: int
@@ -78,6 +82,13 @@ class GammaRead:
     v_star: torch.Tensor | None
     reason: str | None
     dim: int
+    dead_centring: torch.Tensor | None = None
+
+    @property
+    def centring_direction(self) -> torch.Tensor | None:
+        """``gamma^-1 / ||gamma^-1||`` whenever every gain is finite and non-zero: ``v_star``,
+        or ``dead_centring`` when some gains are under the dead tolerance; else None."""
+        return self.v_star if self.v_star is not None else self.dead_centring
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -129,7 +140,12 @@ def gamma_read(gamma: torch.Tensor, *, dead_tol: float = 1e-6) -> GammaRead:
     spread = std / mabs if mabs > 0 else _NAN
     if n_dead:
         dead = tuple(torch.nonzero(dead_mask).flatten().tolist())
-        return GammaRead(len(dead), gmin, gmax, spread, dead, None, "dead_channels", d)
+        # gains under the tolerance but not zero: the centring along gamma^-1 is still read
+        centring = None
+        if bool((mag > 0).all()):
+            inv = top / g
+            centring = inv / torch.linalg.vector_norm(inv)
+        return GammaRead(len(dead), gmin, gmax, spread, dead, None, "dead_channels", d, centring)
     # top / gamma lies in [1, 1/dead_tol] in magnitude: no overflow however small gamma is.
     inv = top / g
     return GammaRead(0, gmin, gmax, spread, (), inv / torch.linalg.vector_norm(inv), None, d)

@@ -34,6 +34,7 @@ from normscope.functional.solvers import (
 __all__ = [
     "KernelRead",
     "centring_residual",
+    "classify",
     "kernel_read",
     "kernel_residual",
     "rmsnorm_alignment_max",
@@ -46,7 +47,6 @@ DECLARED_KINDS = ("layernorm", "rmsnorm")
 # float32 forward, ~1e-6 in bfloat16; an RMSNorm's 2.6e-3 .. 1.8e-2 measured at d = 32 .. 1024
 # with uneven gammas), the alignment is a second witness with a width-aware cut.
 LAYERNORM_RESIDUAL_MAX = 1e-8
-LAYERNORM_ALIGNMENT_MIN = 0.999
 RMSNORM_RESIDUAL_MIN = 1e-4
 # A random unit vector's overlap with a fixed one is about sqrt(2 / (pi d)) = 0.8 / sqrt(d);
 # with uneven gammas an RMSNorm's bottom eigenvector leans towards v* (measured up to
@@ -80,14 +80,14 @@ class KernelRead:
     * ``centring_residual``: ``(1^T C_z 1) / tr(C_z)``, ``C_z = D^-1 C D^-1``,
       ``D = diag(gamma)`` (:func:`centring_residual`): ``v*``'s variance normalised by the
       gain-free scale; NaN without ``v*``;
-    * ``norm_class``, decided by ``centring_residual``: ``"layernorm-like"`` when it is
-      ``<= 1e-8`` and ``max(gamma_alignment, subspace_alignment) >= 0.999`` (the second
-      witness; ``subspace_alignment`` holds where the bottom of ``C`` is degenerate);
-      ``"rmsnorm-like"`` when it is ``>= 1e-4``; else ``"indeterminate"`` -- also whenever
-      ``reason`` is set: with dead channels both kinds have the ``e_i`` in their kernel, so
-      the kernel cannot tell them apart. (Until issue 33 the class was decided by
-      ``kernel_residual``, whose ``lambda_d`` uneven gains inflate: 35 of 240 reads of
-      ``benchmarks/classifier_sweep.py`` were undecided, 0 now.)
+    * ``norm_class``, decided by ``centring_residual`` (:func:`classify`):
+      ``"layernorm-like"`` when it is ``<= 1e-8``, ``"rmsnorm-like"`` when it is ``>= 1e-4``,
+      else ``"indeterminate"`` with ``class_reason`` (``"between_lines"``; without a residual
+      the gamma's or the read's reason). Gains under the dead tolerance but not zero are read
+      along ``gamma^-1`` still; a gain exactly zero cannot tell the kinds apart
+      (``"dead_channels"``). (Until issue 33 the class was decided by ``kernel_residual``,
+      whose ``lambda_d`` uneven gains inflate; until issue 41 an alignment witness and any
+      dead channel also left reads undecided: ``benchmarks/RESULTS.md``.)
     * ``kind_mismatch``: ``declared_kind`` was given and ``norm_class`` is the *other* kind's
       class (``"indeterminate"`` is no mismatch).
 
@@ -115,6 +115,7 @@ class KernelRead:
     solver: str = "dense"
     dense_fallbacks: int = 0
     centring_residual: float = _NAN
+    class_reason: str | None = None
 
     @property
     def kernel_alignment(self) -> float:
@@ -197,7 +198,7 @@ def kernel_read(
     def empty(reason: str, null_dim: int | float = _NAN, bottom=()) -> KernelRead:
         return KernelRead(
             _NAN, _NAN, null_dim, _NAN, _NAN, "indeterminate", n, reason, bottom,
-            False, declared_kind, route, fallbacks,
+            False, declared_kind, route, fallbacks, _NAN, reason,
         )  # fmt: skip
 
     if n < 2 * d:
@@ -290,23 +291,19 @@ def kernel_read(
         z = host[len(scalars) : len(scalars) + removed_z.shape[0]]
         floor = _secular_floor_host(lam, z**2)
 
-    centring = _NAN if g.v_star is None else _centring_host(float(host[2]), float(host[3]))
-    if g.reason is not None:
-        norm_class = "indeterminate"
-    elif centring <= LAYERNORM_RESIDUAL_MAX and (
-        max(alignment_f, subspace_f) >= LAYERNORM_ALIGNMENT_MIN
-    ):
-        norm_class = "layernorm-like"
-    elif centring >= RMSNORM_RESIDUAL_MIN:
-        norm_class = "rmsnorm-like"
+    if g.v_star is not None:
+        centring = _centring_host(float(host[2]), float(host[3]))
+    elif g.dead_centring is not None:  # gains under the dead tolerance, none zero
+        centring = _centring_host(*torch.stack(_centring_parts_along(c, g.dead_centring)).tolist())
     else:
-        norm_class = "indeterminate"
+        centring = _NAN
+    norm_class, class_reason = classify(centring, g.reason)
     mismatch = (declared_kind == "layernorm" and norm_class == "rmsnorm-like") or (
         declared_kind == "rmsnorm" and norm_class == "layernorm-like"
     )
     return KernelRead(
         alignment_f, residual_f, null_dim, subspace_f, floor, norm_class, n, g.reason, bottom,
-        mismatch, declared_kind, route, fallbacks, centring,
+        mismatch, declared_kind, route, fallbacks, centring, class_reason,
     )  # fmt: skip
 
 
@@ -344,6 +341,36 @@ def kernel_residual(
     pcp = p.T @ c @ p
     top = pcp.reshape(()) if p.shape[1] == 1 else symmetric_eigvalsh(pcp)[-1]
     return float(top) / lam_d
+
+
+def classify(centring: float, gamma_reason: str | None = None) -> tuple[str, str | None]:
+    """``(norm_class, class_reason)`` from the centring residual (:func:`centring_residual`):
+    ``"layernorm-like"`` at or under ``1e-8``, ``"rmsnorm-like"`` at or over ``1e-4``, else
+    ``"indeterminate"`` with the reason the data cannot tell: ``"between_lines"`` (the residual
+    between the two), ``gamma_reason`` when there is one (``"dead_channels"``: gains under the
+    dead tolerance, read along ``gamma^-1`` when none is zero, decide only ``"layernorm-like"``:
+    a channel whose signal fell under the forward's rounding, ``beta_i + gamma_i z_i == beta_i``,
+    inflates a LayerNorm's residual too), or ``"no_centring"``.
+
+    The residual bounds ``kernel_residual`` from above (``tr C_z <= lambda_d ||gamma^-1||^2``),
+    so no read whose kernel is there by this line is left undecided.
+
+    Example::
+
+        >>> classify(3e-13), classify(0.9), classify(1e-6), classify(float("nan"), "dead_channels")
+        (('layernorm-like', None), ('rmsnorm-like', None), ('indeterminate', 'between_lines'), ('indeterminate', 'dead_channels'))
+    """
+    if centring <= LAYERNORM_RESIDUAL_MAX:
+        return "layernorm-like", None
+    if gamma_reason is not None:
+        # gains under the dead tolerance: a channel whose signal fell under the forward's
+        # rounding inflates the residual of a LayerNorm too, so only a small one decides
+        return "indeterminate", gamma_reason
+    if centring >= RMSNORM_RESIDUAL_MIN:
+        return "rmsnorm-like", None
+    if math.isnan(centring):
+        return "indeterminate", gamma_reason or "no_centring"
+    return "indeterminate", "between_lines"
 
 
 def centring_residual(covariance: torch.Tensor, gamma: torch.Tensor | GammaRead) -> float:
@@ -390,6 +417,14 @@ def _centring_parts(
     """:func:`centring_residual`'s ``tr(C_z)`` and ``1^T C_z 1`` as device scalars."""
     inv = on_device(read_gains(read, gamma), c).reciprocal()  # 1 / gamma
     return (torch.diagonal(c) * inv**2).sum(), inv @ c @ inv
+
+
+def _centring_parts_along(
+    c: torch.Tensor, direction: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tr(C_z)`` and ``1^T C_z 1`` up to one scale, from ``direction`` along ``gamma^-1``."""
+    u = on_device(direction, c)
+    return (torch.diagonal(c) * u**2).sum(), u @ c @ u
 
 
 def _centring_host(scale: float, quad: float) -> float:

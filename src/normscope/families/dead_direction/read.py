@@ -184,15 +184,19 @@ def gather_records(records: ReadRecords) -> list[ReadRecords]:
 
 
 def _on_cpu(records: ReadRecords) -> ReadRecords:
-    """The records with every tensor of the norm reports (gamma's ``v_star``) on the CPU: a
-    pickled CUDA tensor would be unpickled onto the sender's device."""
+    """The records with every tensor of the norm reports (gamma's ``v_star`` and
+    ``dead_centring``) on the CPU: a pickled CUDA tensor would be unpickled onto the sender's
+    device."""
     norms = {}
     for name, report in records.norms.items():
-        v = report.gamma.v_star
-        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-            report = dataclasses.replace(
-                report, gamma=dataclasses.replace(report.gamma, v_star=v.cpu())
-            )
+        moved = {
+            field: v.cpu()
+            for field in ("v_star", "dead_centring")
+            if isinstance(v := getattr(report.gamma, field), torch.Tensor)
+            and v.device.type != "cpu"
+        }
+        if moved:
+            report = dataclasses.replace(report, gamma=dataclasses.replace(report.gamma, **moved))
         norms[name] = report
     return dataclasses.replace(records, norms=norms)
 
@@ -236,6 +240,7 @@ def finish_report(
             ],
             [t.accumulator.count for t in window.point_taps],
             [t.dim for t in window.point_taps],
+            window.placement,
         )
     rejected = sum(t.accumulator.rows_rejected for t in window.taps)
     failed = dict(window.failed_taps)

@@ -24,7 +24,11 @@ def format_read_line(report: DeadDirectionReport, fired: Sequence[Alert] = ()) -
         worst = profile.worst_point
         sub = next((p.sublayer for p in profile.points if p.name == worst), None)
         where = f" at {key_path(worst)} ({sub or 'block'})" if worst else ""
-        parts.append(f"sigma_min_ratio_min {format(profile.sigma_min_ratio_min, '.4g')}{where}")
+        if profile.reason == "post_norm":  # LayerNorm outputs: no ratio means anything there
+            parts.append("sigma_min_ratio_min not read (post_norm)")
+        else:
+            ratio = format(profile.sigma_min_ratio_min, ".4g")
+            parts.append(f"sigma_min_ratio_min {ratio}{where}")
     if not report.spectral:
         parts.append("cheap read")
     ln = [n for n in report.norms.values() if n.kind == "layernorm" and n.gamma.dead_channels == 0]

@@ -135,10 +135,14 @@ def profile_from_parts(
     sigmas: Sequence[tuple],
     n_rows: Sequence[int],
     dims: Sequence[int],
+    placement: str = "pre",
 ) -> SigmaMinProfile:
     """The profile of ``points`` (residual points: ``name``, ``sublayer``) from each point's
     :func:`point_sigma`, row count and width (the dense fallbacks summed). The one profile
-    builder of the monitor's reads.
+    builder of the monitor's reads. ``placement="post"`` (post-norm blocks): every point is a
+    LayerNorm output, whose smallest direction is that norm's own kernel by construction, so
+    every ratio and step, and ``sigma_min_ratio_min``, is NaN with reason ``post_norm`` (the
+    ``sigma_min`` values stand).
 
     Example::
 
@@ -155,6 +159,7 @@ def profile_from_parts(
         n_rows,
         dims,
         dense_fallbacks=sum(s[2] if len(s) > 2 else 0 for s in sigmas),
+        placement=placement,
     )
 
 
@@ -173,5 +178,6 @@ def read_sources_of(
             [a.count for a in accs],
             [p.sublayer for p in points],
             anchor=anchors(layout),
+            placement="post" if layout.style == "post-norm" else "pre",
         )
     return out
