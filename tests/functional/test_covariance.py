@@ -8,10 +8,12 @@ while a raw-sum accumulation misses it by orders of magnitude on offset data.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import socket
 import warnings
+import weakref
 from unittest import mock
 
 import numpy as np
@@ -347,6 +349,20 @@ def test_reset_gives_new_zero_tensors_and_holds_one_state():
     }
     assert sum(held.values()) <= 16
     assert acc.memory_bytes() == 8 * d * d
+
+
+def test_a_shallow_copy_is_a_view_freed_at_once():
+    """A read's frozen window is ``copy.copy(acc)``: the same tensors, until the live one is
+    reset; dropped, it frees them at once (no reference cycle through torchmetrics' wrappers)."""
+    acc = StreamingCovariance(8)
+    acc.update(torch.randn(30, 8))
+    view = copy.copy(acc)
+    assert view.comoment is acc.comoment and view.count == 30
+    acc.reset()
+    assert view.count == 30 and acc.count == 0
+    gone = weakref.ref(view)
+    del view
+    assert gone() is None
 
 
 def test_a_gathering_sync_is_refused():

@@ -78,8 +78,7 @@ def pick_rows(
 
 
 def _zeros(dim: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The empty state, as broadcast views of one zero: what ``reset`` clones, 8 bytes held
-    instead of the dense ``8 d^2`` copy ``Metric.add_state`` keeps of a default."""
+    """The empty state as broadcast views of one zero (what ``reset`` clones): 8 bytes held."""
     zero = torch.zeros((), dtype=torch.float64, device=device)
     return {
         "_n": zero,
@@ -360,16 +359,11 @@ class StreamingCovariance(Metric):
 
     # -------------------------------------------------------------- processes
     def reduce_(self, group: Any = None) -> StreamingCovariance:
-        """Merge the state of every process in ``group`` exactly, in place, on every rank, for
-        good (the window a read takes); :meth:`compute` merges too but keeps the local state.
-
-        docs/metrics.md §0, :func:`~normscope.functional.comoment.all_reduce_comoment_`: the
-        global count and mean first (one small ``all_reduce``), then every rank's co-moment
-        re-centred on the global mean and summed in place by one ``all_reduce``: the memory of
-        one state, whatever the number of ranks. A collective: every rank of the group calls it
-        at the same point. A no-op when ``torch.distributed`` is not initialised or the world
-        has one process.
-        """
+        """Merge the state of every process in ``group`` exactly, in place, for good (a read's
+        window; :meth:`compute` merges but keeps the local state): docs/metrics.md §0,
+        :func:`~normscope.functional.comoment.all_reduce_comoment_`, no copy of the state. A
+        collective: every rank of the group calls it at the same point. A no-op when
+        ``torch.distributed`` is not initialised or the world has one process."""
         if not (dist.is_available() and dist.is_initialized()):
             return self
         if dist.get_world_size(group) == 1:
@@ -390,9 +384,8 @@ class StreamingCovariance(Metric):
         """``Metric.sync`` with this accumulator's own ``dist_sync_fn`` by default (an in-place
         all-reduce, never a gather); ``unsync()`` gives the local state back."""
         self._full()  # the local copy Metric.sync keeps for unsync must hold the whole matrix
-        super().sync(
-            dist_sync_fn or self.dist_sync_fn, process_group, should_sync, distributed_available
-        )
+        fn = dist_sync_fn or self.dist_sync_fn or self._sync_state
+        super().sync(fn, process_group, should_sync, distributed_available)
 
     def _sync_state(self, state: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
         # The dist_sync_fn. Metric.sync calls it once per state and stacks what it returns: the
@@ -405,6 +398,16 @@ class StreamingCovariance(Metric):
             pending = self._pending_sync = {k: getattr(self, v) for k, v in before.items()}
         return [pending.pop(id(state))]
 
+    def __copy__(self) -> StreamingCovariance:
+        """``copy.copy``: a view of the state to read (a read's frozen window; ``reset`` gives
+        the original new tensors), without torchmetrics' wrappers of ``update`` and ``compute``:
+        they hold the instance in a cycle, and a dropped view would keep ``8 d^2`` bytes."""
+        view = type(self).__new__(type(self))
+        skip = ("update", "compute", "dist_sync_fn")
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in skip})
+        view.__dict__["dist_sync_fn"] = None  # sync() runs the view's own _sync_state
+        return view
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # copy.copy (a read's frozen window), deepcopy, pickle: the copy syncs itself
         super().__setstate__(state)
@@ -412,8 +415,7 @@ class StreamingCovariance(Metric):
 
     # ------------------------------------------------------------ persistence
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """``Metric.state_dict``: the four states (the whole co-moment) and ``_extra_state``
-        (``dim``, ``max_rows``, ``seed``, the subsampling generator)."""
+        """The four states (the co-moment whole) and ``_extra_state`` (``dim``, ...)."""
         self._full()
         return super().state_dict(*args, **kwargs)
 
