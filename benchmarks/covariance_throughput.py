@@ -29,14 +29,29 @@ N = clamp(2^24 / d, 1024, 8192) unless ``--rows`` fixes it. Usage::
     python benchmarks/covariance_throughput.py            # d in {256, ..., 8192}, N scaled
     python benchmarks/covariance_throughput.py --dims 1024 --rows 8192 --repeats 5
     python benchmarks/covariance_throughput.py --device cuda --out /tmp/cov_gpu
+    python benchmarks/covariance_throughput.py --overhead      # the Python around a small fold
+
+``--overhead`` times what a hook pays per call at small widths, where the arithmetic is
+cheap and the Python around it shows: ``update(x)`` as a hook calls it (through the
+``torchmetrics.Metric`` wrapper: ``_update_count``, ``_computed``, grad mode), the same method
+without the wrapper (``type(acc).update(acc, x)``: argument checks, flattening) and the bare
+fold of the same, already flat rows (``_fold``: the kernel and the Chan merge); ``--against
+<checkout>/src/normscope/functional/covariance.py`` adds that file's ``update``, timed in the
+same loops (a before/after on one loaded machine)::
+
+    python benchmarks/covariance_throughput.py --overhead \
+        --against /work/main/src/normscope/functional/covariance.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
+import random
 import sys
+import time
 from pathlib import Path
 
 
@@ -191,8 +206,87 @@ def row_cells(r: dict) -> list[str]:
     ]
 
 
+OVERHEAD_HEADERS = ["d", "rows", "update us", "unwrapped us", "bare fold us", "wrapper us"]
+
+
+def load_other(path: str) -> type:
+    """``StreamingCovariance`` of another checkout's ``functional/covariance.py`` (it imports
+    this checkout's ``fold`` and ``_rows``)."""
+    spec = importlib.util.spec_from_file_location("other_covariance", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.StreamingCovariance
+
+
+def update_overhead(
+    d: int, rows: int, calls: int = 500, repeats: int = 9, other: type | None = None
+) -> dict[str, float | int]:
+    """Per-call microseconds of ``update``, of the same method unwrapped, of the bare ``_fold``
+    of the same rows and of ``other``'s ``update`` (CPU, float32 rows, fastest of ``repeats``
+    loops of ``calls`` calls each, the kinds shuffled in each round)."""
+    gen = torch.Generator().manual_seed(d + rows)
+    x = torch.randn(rows, d, generator=gen)
+    acc, plain, bare = (StreamingCovariance(d) for _ in range(3))
+    method = type(plain).update
+    calls_of = {
+        "update": lambda: acc.update(x),
+        "unwrapped": lambda: method(plain, x),
+        "fold": lambda: bare._fold(x, None) if rows else None,  # 0 rows: update returns first
+    }
+    if other is not None:
+        then = other(d)
+        calls_of["other"] = lambda: then.update(x)
+    ts: dict[str, list[float]] = {key: [] for key in calls_of}
+    shuffle = random.Random(d + rows)
+    for _ in range(repeats):
+        for key, fn in shuffle.sample(list(calls_of.items()), len(calls_of)):
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            ts[key].append((time.perf_counter() - t0) / calls)
+    t_update, t_plain, t_fold = (min(ts[k]) for k in ("update", "unwrapped", "fold"))
+    out: dict[str, float | int] = {
+        "d": d,
+        "rows": rows,
+        "update_us": 1e6 * t_update,
+        "unwrapped_us": 1e6 * t_plain,
+        "fold_us": 1e6 * t_fold,
+        "wrapper_us": 1e6 * (t_update - t_plain),
+    }
+    if other is not None:
+        out["other_update_us"] = 1e6 * min(ts["other"])
+    return out
+
+
+def overhead_main(args: argparse.Namespace) -> None:
+    info = machine(torch.device("cpu"))
+    note = "per call, fastest of 9 shuffled rounds of 500 calls each; 0 rows: the Python alone"
+    print(machine_line(info) + f"; {note}", flush=True)
+    other = load_other(args.against) if args.against else None
+    headers = OVERHEAD_HEADERS + (["--against update us"] if other is not None else [])
+    keys = ["update_us", "unwrapped_us", "fold_us", "wrapper_us"]
+    keys += ["other_update_us"] if other is not None else []
+    results, cells = [], []
+    for d in (32, 128):
+        for rows in (0, 8, 64):
+            r = update_overhead(d, rows, calls=500, other=other)
+            results.append(r)
+            cells.append([d, rows] + [f"{r[k]:.1f}" for k in keys])
+            print("| " + " | ".join(str(c) for c in cells[-1]) + " |", flush=True)
+    text = machine_line(info) + f"; {note}\n\n" + markdown_table(headers, cells)
+    print("\n" + text)
+    write_outputs(args.out, text, {"machine": info, "results": results})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--overhead", action="store_true", help="time the Python around small updates instead"
+    )
+    parser.add_argument(
+        "--against", default=None, help="with --overhead: another checkout's covariance.py"
+    )
     parser.add_argument("--dims", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--rows", type=int, default=None, help="fix N (default: scaled with d)")
     parser.add_argument("--device", default="cpu")
@@ -204,6 +298,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write <out>.md and <out>.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.overhead:
+        overhead_main(args)
+        return
     device = torch.device(args.device)
     info = machine(device)
     print(machine_line(info), flush=True)

@@ -67,7 +67,7 @@ def test_pooled_read_unchanged_and_sources_merge_to_it():
     for k, tap in enumerate(split.point_taps):
         merged = StreamingCovariance(tap.dim)
         for name in ("code", "prose"):
-            merged.merge(split.split.accs[name][k])
+            merged.merge_state(split.split.accs[name][k])
         assert merged.count == tap.accumulator.count == 192 * 16
         torch.testing.assert_close(
             merged.second_moment(), tap.accumulator.second_moment(), rtol=1e-12, atol=1e-12

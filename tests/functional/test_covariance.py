@@ -1,4 +1,5 @@
-"""StreamingCovariance against numpy's two-pass covariance (np.cov(..., bias=True)).
+"""StreamingCovariance against numpy's two-pass covariance (np.cov(..., bias=True)), and as a
+``torchmetrics.Metric`` (compute, merge_state, state_dict, ``.to()``, reset, sync).
 
 Tolerances: a float64 two-pass covariance of N rows is exact to a few ulps times sqrt(N); the
 1e-12 relative Frobenius bound used throughout leaves about three orders of magnitude of room,
@@ -7,9 +8,13 @@ while a raw-sum accumulation misses it by orders of magnitude on offset data.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import socket
+import warnings
+import weakref
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,6 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
+from torchmetrics import Metric
+from torchmetrics.aggregation import SumMetric
 
 from normscope.functional import (
     StreamingCovariance,
@@ -103,9 +111,9 @@ def test_merge_order_does_not_matter(sizes, order_seed):
         accs.append(a)
     forward, shuffled = StreamingCovariance(d), StreamingCovariance(d)
     for a in accs:
-        forward.merge(a)
+        forward.merge_state(a)
     for i in rng.permutation(len(accs)):
-        shuffled.merge(accs[i])
+        shuffled.merge_state(accs[i])
     total = sum(sizes)
     assert forward.count == shuffled.count == total
     if total == 0:
@@ -185,7 +193,7 @@ def test_dimension_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match=r"width d=8.*\(4, 7\)"):
         acc.update(torch.randn(4, 7))
     with pytest.raises(ValueError, match="dimensions differ"):
-        acc.merge(StreamingCovariance(9))
+        acc.merge_state(StreamingCovariance(9))
     with pytest.raises(ValueError, match="positive int"):
         StreamingCovariance(0)
 
@@ -226,6 +234,144 @@ def test_state_dict_round_trip_keeps_device_and_values(tmp_path):
         StreamingCovariance(5).load_state_dict(acc.state_dict())
 
 
+# ------------------------------------------------------------------- as a torchmetrics.Metric
+def test_compute_is_numpy_covariance_and_follows_updates():
+    x = offset_rows(3000, 12, seed=20, offset=1e3)
+    acc = StreamingCovariance(12)
+    assert isinstance(acc, Metric)
+    for chunk in np.array_split(x, 7):
+        acc.update(torch.from_numpy(chunk))
+    assert acc.update_count == 7
+    c = acc.compute()
+    assert c.dtype == torch.float64
+    assert rel_fro(c, np.cov(x, rowvar=False, bias=True)) <= 1e-12
+    more = offset_rows(500, 12, seed=21, offset=1e3)
+    acc.update(torch.from_numpy(more))  # the cached value is dropped by an update
+    both = np.concatenate([x, more])
+    assert rel_fro(acc.compute(), np.cov(both, rowvar=False, bias=True)) <= 1e-12
+
+
+def test_merge_state_equals_one_accumulator_over_all_rows():
+    d, sizes = 150, (400, 0, 1, 650)  # d = 150: panel folds, whose lower blocks wait for a read
+    parts = [offset_rows(n, d, seed=30 + i, offset=1e4 * (i + 1)) for i, n in enumerate(sizes)]
+    single, merged = StreamingCovariance(d), StreamingCovariance(d)
+    single.update(torch.from_numpy(np.concatenate(parts)))
+    for i, part in enumerate(parts):
+        other = StreamingCovariance(d)
+        other.update(torch.from_numpy(part))
+        other.update(torch.full((2, d), math.nan))  # rejected rows merge too
+        # a StreamingCovariance, or its metric_state dict (what torchmetrics hands around)
+        merged.merge_state(other if i % 2 else other.metric_state)
+    assert merged.count == single.count == sum(sizes) and merged.rows_rejected == 8
+    # Chan's merge against one fold of every row: the same float64 numbers up to rounding
+    assert rel_fro(merged.covariance(), single.covariance().numpy()) <= 1e-12
+    np.testing.assert_allclose(merged.mean.numpy(), single.mean.numpy(), rtol=1e-13)
+    assert merged.update_count == 1 + 2 + 1 + 2  # a dict counts 1, an accumulator its own
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compute before update" warning after merges
+        assert rel_fro(merged.compute(), single.covariance().numpy()) <= 1e-12
+    with pytest.raises(ValueError, match="instance of StreamingCovariance"):
+        merged.merge_state(SumMetric())
+    with pytest.raises(ValueError, match="dimensions differ"):
+        merged.merge_state(StreamingCovariance(9))
+
+
+def test_forward_folds_the_rows_and_returns_the_batch_covariance():
+    a, b = offset_rows(300, 5, seed=40), offset_rows(200, 5, seed=41)
+    acc = StreamingCovariance(5)
+    acc.update(torch.from_numpy(a))
+    batch = acc(torch.from_numpy(b))
+    assert rel_fro(batch, np.cov(b, rowvar=False, bias=True)) <= 1e-12
+    both = np.concatenate([a, b])
+    assert acc.count == 500
+    assert rel_fro(acc.covariance(), np.cov(both, rowvar=False, bias=True)) <= 1e-12
+
+
+def test_state_dict_holds_persistent_states_inside_a_parent_module(tmp_path):
+    parent = nn.Module()
+    parent.acc = StreamingCovariance(7, max_rows=40, seed=5)
+    parent.acc.update(torch.randn(100, 7) + 50.0)
+    state = parent.state_dict()
+    keys = {"acc._n", "acc._mean", "acc._comoment", "acc._rejected", "acc._extra_state"}
+    assert set(state) == keys
+    torch.save(state, tmp_path / "parent.pt")
+    twin = nn.Module()
+    twin.acc = StreamingCovariance(7)
+    twin.load_state_dict(torch.load(tmp_path / "parent.pt", weights_only=True))
+    assert twin.acc.count == 40 and twin.acc.max_rows == 40 and twin.acc.update_count == 1
+    assert torch.equal(twin.acc.covariance(), parent.acc.covariance())
+    twin.acc.update(torch.ones(3, 7))  # the loaded tensors are copies, not the saved ones
+    assert torch.equal(state["acc._n"], torch.tensor(40.0, dtype=torch.float64))
+
+
+def test_to_moves_every_state_and_keeps_float64():
+    acc = StreamingCovariance(6)
+    acc.update(torch.randn(20, 6))
+    before = acc.covariance().clone()
+    assert acc.to(torch.float32) is acc and acc.set_dtype(torch.float16) is acc
+    assert {t.dtype for t in acc.metric_state.values()} == {torch.float64, torch.int64}
+    assert torch.equal(acc.covariance(), before) and acc.dtype == torch.float64
+    acc.to("meta")  # a real move without a GPU: every state, the defaults, the device
+    assert acc.device == torch.device("meta")
+    assert {t.device.type for t in (*acc.metric_state.values(), *acc._defaults.values())} == {
+        "meta"
+    }
+    made = StreamingCovariance(6, device="meta")  # made there, reset there
+    made.reset()
+    assert {t.device.type for t in made.metric_state.values()} == {"meta"}
+    with pytest.raises(ValueError, match="MPS has no float64"):
+        StreamingCovariance(6).to("mps")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_to_cuda_and_back_keeps_the_values():
+    acc = StreamingCovariance(6)
+    acc.update(torch.randn(20, 6))
+    before = acc.covariance().clone()
+    acc.cuda()
+    assert acc.device.type == "cuda" and acc.comoment.device.type == "cuda"
+    acc.update(torch.randn(5, 6, device="cuda"))
+    acc.cpu()
+    assert acc.count == 25 and not torch.equal(acc.covariance(), before)
+
+
+def test_reset_gives_new_zero_tensors_and_holds_one_state():
+    d = 64
+    acc = StreamingCovariance(d)
+    acc.update(torch.randn(100, d))
+    old = acc.comoment
+    acc.reset()
+    assert acc.count == 0 and acc.update_count == 0 and torch.isnan(acc.covariance()).all()
+    assert acc.comoment is not old and float(old.abs().sum()) > 0  # a held window survives
+    # the defaults reset() clones are broadcast zeros: one dense d x d per accumulator
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in acc._defaults.values()
+    }
+    assert sum(held.values()) <= 16
+    assert acc.memory_bytes() == 8 * d * d
+
+
+def test_a_shallow_copy_is_a_view_freed_at_once():
+    """A read's frozen window is ``copy.copy(acc)``: the same tensors, until the live one is
+    reset; dropped, it frees them at once (no reference cycle through torchmetrics' wrappers)."""
+    acc = StreamingCovariance(8)
+    acc.update(torch.randn(30, 8))
+    view = copy.copy(acc)
+    assert view.comoment is acc.comoment and view.count == 30
+    acc.reset()
+    assert view.count == 30 and acc.count == 0
+    gone = weakref.ref(view)
+    del view
+    assert gone() is None
+
+
+def test_a_gathering_sync_is_refused():
+    acc = StreamingCovariance(3)
+    acc.update(torch.randn(4, 3))
+    with pytest.raises(ValueError, match="not by a gather"):
+        acc.sync(dist_sync_fn=lambda t, group=None: [t, t], distributed_available=lambda: True)
+
+
 def test_symmetric_eigh_matches_numpy():
     rng = np.random.default_rng(4)
     a = rng.standard_normal((20, 20))
@@ -260,15 +406,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _filled(part: np.ndarray) -> StreamingCovariance:
+    acc = StreamingCovariance(part.shape[1])
+    acc.update(torch.from_numpy(part))
+    acc.update(torch.full((3, part.shape[1]), math.nan, dtype=torch.float64))
+    return acc
+
+
 def _reduce_worker(rank: int, world: int, port: int, parts: list[np.ndarray], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        acc = StreamingCovariance(parts[rank].shape[1])
-        acc.update(torch.from_numpy(parts[rank]))
-        acc.update(torch.full((3, parts[rank].shape[1]), math.nan, dtype=torch.float64))
+        acc = _filled(parts[rank])
         acc.reduce_()
         torch.save(acc.state_dict(), f"{out}/rank{rank}.pt")
+        # The Metric's way: compute() syncs and gives the local window back; sync() merges
+        # through the accumulator's own dist_sync_fn. Every collective is recorded: the
+        # co-moment must be all-reduced in place, and nothing gathered.
+        metric = _filled(parts[rank])
+        calls: list[tuple[int, int]] = []
+        all_reduce = dist.all_reduce
+
+        def recorded(t: torch.Tensor, *args, **kwargs):
+            calls.append((t.data_ptr(), t.numel()))
+            return all_reduce(t, *args, **kwargs)
+
+        def gather(*args, **kwargs):
+            raise AssertionError("a StreamingCovariance sync gathered")
+
+        with (
+            mock.patch.object(dist, "all_reduce", recorded),
+            mock.patch.object(dist, "all_gather", gather),
+            mock.patch.object(dist, "all_gather_into_tensor", gather),
+        ):
+            covariance = metric.compute()
+            local = metric.count
+            where = metric.comoment.data_ptr()
+            metric.sync()
+        synced = metric.state_dict()
+        metric.unsync()
+        torch.save(
+            {
+                "compute": covariance,
+                "local_after_compute": local,
+                "local_after_unsync": metric.count,
+                "synced": synced,
+                "calls": calls,
+                "comoment_at": where,
+            },
+            f"{out}/metric{rank}.pt",
+        )
         dist.barrier()  # neither rank tears gloo down while the other is inside a collective
     finally:
         dist.destroy_process_group()
@@ -292,6 +479,18 @@ def test_two_process_reduce_equals_single_process(tmp_path, rows):
         assert rel_fro(acc.covariance(), single.covariance().numpy()) <= 1e-12
         assert rel_fro(acc.covariance(), reference) <= 1e-12
         np.testing.assert_allclose(acc.mean.numpy(), union.mean(0), rtol=1e-14)
+        # the Metric's compute() and sync(): the same merged numbers, bit for bit (the same
+        # two all_reduces), the local window kept by compute() and given back by unsync()
+        metric = torch.load(tmp_path / f"metric{rank}.pt", weights_only=True)
+        assert torch.equal(metric["compute"], acc.covariance())
+        synced = StreamingCovariance(d)
+        synced.load_state_dict(metric["synced"])
+        assert torch.equal(synced.covariance(), acc.covariance()) and synced.rows_rejected == 6
+        assert metric["local_after_compute"] == metric["local_after_unsync"] == rows[rank]
+        # two all_reduces per merge: [n, n mu, rejected], then the d x d co-moment in place
+        d2 = [(d + 2), d * d]
+        assert [numel for _, numel in metric["calls"]] == d2 + d2
+        assert metric["calls"][-1] == (metric["comoment_at"], d * d)
 
 
 def test_counts_reach_the_host_once_and_follow_the_state():

@@ -126,8 +126,8 @@ def test_panel_state_is_mirrored_for_every_reader():
     other_new, other_ref = pair(d, "panels")
     other_new.update(batches[2])
     other_ref.update(batches[2])
-    new.merge(other_new)
-    ref.merge(other_ref)
+    new.merge_state(other_new)
+    ref.merge_state(other_ref)
     assert_same(new, ref)
     assert_same(other_new, other_ref)
     # to(): moves the mirrored matrix and keeps folding.
@@ -148,7 +148,7 @@ def test_state_dict_round_trip_across_fold_modes(mode, tmp_path):
     path = tmp_path / "acc.pt"
     torch.save(new.state_dict(), path)
     state = torch.load(path, weights_only=True)
-    assert rel(state["comoment"], ref.comoment) <= TOL  # the saved matrix is the full one
+    assert rel(state["_comoment"], ref.comoment) <= TOL  # the saved matrix is the full one
     for into in MODES:
         restored = StreamingCovariance(d, fold=into)
         restored.load_state_dict(state)

@@ -3,7 +3,7 @@
 docs/metrics.md §0. A tapped tensor of shape ``(..., d)`` becomes rows ``(N, d)``. Each batch is
 reduced to ``(n_b, mu_b, M_b)`` -- its row count, mean and *centred* co-moment
 ``M_b = sum (x - mu_b)(x - mu_b)^T`` -- and folded into the running state with Chan's pairwise
-update::
+update (:func:`~normscope.functional.comoment.merge_comoment_`)::
 
     delta = mu_b - mu_a
     n     = n_a + n_b
@@ -24,12 +24,10 @@ Design choices, written down because they matter inside a training step:
 * **Half the flops.** ``M_b`` is symmetric: the fold (``functional/fold.py``) forms only its
   upper blocks and mirrors the rest when the matrix is read; 1.2-1.9x the rows/s of one full
   GEMM (``benchmarks/RESULTS.md``).
-* **Not a ``torchmetrics.Metric``.** torchmetrics' default ``sync`` gathers every rank's state
-  before reducing: ``world_size x d^2 x 8`` bytes of transient memory per accumulator (d = 4096,
-  8 ranks: about 1 GB). :meth:`StreamingCovariance.reduce_` instead sums re-centred co-moments
-  in place with one ``all_reduce``: the memory of one state, whatever the number of ranks.
-  Measured on 2 gloo processes (``benchmarks/torchmetrics_sync.py``): at d = 2048 (a 32 MiB
-  state) a ``Metric``'s sync peaks 162 MiB above its resting memory, ``reduce_`` 2.5 MiB.
+* **A ``torchmetrics.Metric`` with a sync of its own.** The default ``sync`` gathers every
+  rank's state (``world x 8 d^2`` bytes); this one's ``dist_sync_fn`` merges the states with
+  :func:`~normscope.functional.comoment.all_reduce_comoment_`, the co-moment summed in place
+  (docs/design.md, "Dependencies", has the measured memory and per-update cost).
 """
 
 from __future__ import annotations
@@ -40,8 +38,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from einops import rearrange
+from torchmetrics import Metric
 
 from normscope.functional._rows import check_dim, check_rows
+from normscope.functional.comoment import all_reduce_comoment_, merge_comoment_
 from normscope.functional.fold import add_gram_, centre_rows, fold_plan, mirror_upper_
 
 __all__ = [
@@ -77,8 +77,38 @@ def pick_rows(
     return torch.topk(key, k, largest=False, sorted=False).indices
 
 
-class StreamingCovariance:
-    """Float64 running mean and centred co-moment of a stream of ``d``-dimensional rows.
+def _zeros(dim: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The empty state as broadcast views of one zero (what ``reset`` clones): 8 bytes held."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    return {
+        "_n": zero,
+        "_mean": zero.expand(dim),
+        "_comoment": zero.expand(dim, dim),
+        "_rejected": torch.zeros((), dtype=torch.int64, device=device),
+    }
+
+
+# What update and a read write, every call: states and plain flags (StreamingCovariance.__setattr__)
+_PLAIN = frozenset(
+    {"_n", "_mean", "_comoment", "_rejected", "_stale_lower", "_computed", "_update_count"}
+)
+
+
+def _merged(stacked: torch.Tensor) -> torch.Tensor:
+    # Every state's dist_reduce_fx: the sync function has merged the states already and
+    # Metric.sync stacked its one-element answer. A gathered stack cannot be merged state by
+    # state (the co-moments need the means): refuse it.
+    if stacked.shape[0] != 1:
+        raise ValueError(
+            "StreamingCovariance: states merge by Chan's update through the accumulator's own "
+            "dist_sync_fn, not by a gather; call sync() without dist_sync_fn"
+        )
+    return stacked[0]
+
+
+class StreamingCovariance(Metric):
+    """Float64 running mean and centred co-moment of a stream of ``d``-dimensional rows: a
+    ``torchmetrics.Metric`` (``compute`` is the covariance; persistent states; ``.to()``).
 
     Args:
         dim: the row width ``d`` (the last dimension of every tensor passed to :meth:`update`).
@@ -91,7 +121,7 @@ class StreamingCovariance:
             the measured fastest for ``dim`` and the device), ``"gemm"`` (one full GEMM),
             ``"panels"`` (upper-triangle panel GEMMs, about half the flops) or ``"syrk"``
             (numpy's BLAS syrk; CPU only, opt-in: set ``OPENBLAS_NUM_THREADS``, its pool is not
-            torch's). Every read sees the same symmetric matrix.
+            torch's).
 
     Example::
 
@@ -102,9 +132,13 @@ class StreamingCovariance:
         >>> acc.update(torch.randn(3, 4), mask=torch.tensor([1, 0, 1]))  # 2 more rows
         >>> acc.count
         130
-        >>> acc.covariance().shape
+        >>> acc.compute().shape                         # == acc.covariance() on one process
         torch.Size([4, 4])
     """
+
+    full_state_update = False  # merge_state and forward fold a state in by _reduce_states
+    is_differentiable = False
+    higher_is_better = None
 
     def __init__(
         self,
@@ -120,28 +154,46 @@ class StreamingCovariance:
             raise ValueError(
                 f"StreamingCovariance: max_rows must be None or a positive int, got {max_rows!r}"
             )
-        self.dim = dim
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.device.type == "mps":
+        super().__init__(dist_sync_fn=self._sync_state)
+        self.dim, self.max_rows, self.seed, self.fold = dim, max_rows, seed, fold
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self._plan = self._plan_on(device)
+        self._device, self._dtype = device, torch.float64
+        self._generator: torch.Generator | None = None
+        for name in ("_n", "_mean", "_comoment", "_rejected"):
+            # add_state keeps a dense copy of its default (8 d^2 bytes more for the co-moment):
+            # a placeholder here, the empty state as broadcast zeros below, cloned by reset()
+            placeholder = torch.zeros(0, device=device)  # reset() keeps a state's device
+            self.add_state(name, placeholder, dist_reduce_fx=_merged, persistent=True)
+        self._defaults = _zeros(dim, device)
+        self.reset()
+
+    def _plan_on(self, device: torch.device) -> tuple[str, int]:
+        if device.type == "mps":
             raise ValueError(
                 "StreamingCovariance: Apple MPS has no float64; keep the accumulator on the CPU "
                 "(device='cpu') and rows are copied there"
             )
-        self.max_rows = max_rows
-        self.seed = seed
-        self.fold = fold
-        self._plan = fold_plan(dim, self.device, fold)
-        self._generator: torch.Generator | None = None
-        self.reset()
+        return fold_plan(self.dim, device, self.fold)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The attributes an update writes are plain (no parameter, buffer or module): past
+        # nn.Module's checks, about a microsecond each on every update.
+        if name in _PLAIN:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    # torchmetrics makes `==` build a CompositionalMetric, which is always true: an accumulator
+    # (a field of the Tap dataclass) compares by identity.
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
-        """Forget every row (the subsampling generator keeps its position)."""
-        f64 = {"dtype": torch.float64, "device": self.device}
-        self._n = torch.zeros((), **f64)
-        self._mean = torch.zeros(self.dim, **f64)
-        self._comoment = torch.zeros(self.dim, self.dim, **f64)
-        self._rejected = torch.zeros((), dtype=torch.int64, device=self.device)
+        """Forget every row (new zero tensors; the subsampling generator keeps its position)."""
+        super().reset()
         self._stale_lower = False
 
     @property
@@ -205,6 +257,11 @@ class StreamingCovariance:
         """Uncentred second moment ``S = C + mu mu^T`` (float64 ``(d, d)``)."""
         return self.covariance() + torch.outer(self._mean, self._mean)
 
+    def compute(self) -> torch.Tensor:
+        """:meth:`covariance` over the rows of every process (``Metric.compute``: a collective
+        under ``torch.distributed``, this process's window kept for more updates)."""
+        return self.covariance()
+
     # ----------------------------------------------------------------- update
     def update(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Fold the rows of ``x`` (shape ``(..., d)``, any float dtype) into the state.
@@ -242,12 +299,15 @@ class StreamingCovariance:
     def _fold(self, rows: torch.Tensor, keep: torch.Tensor | None) -> None:
         # functional/fold.py: a private float64 centred copy in a few cheap passes, then the
         # symmetric product at about half the GEMM's flops. Nothing read back to the host.
-        rows = rows.to(self.device)
-        keep = keep.to(self.device) if keep is not None else None
+        # In-place adds where the value is the same: each attribute assignment on a Metric
+        # (an nn.Module) costs about a microsecond.
+        device = self._device
+        rows = rows.to(device)
+        keep = keep.to(device) if keep is not None else None
         x, n_b, mean_b, rejected = centre_rows(rows, keep)
-        self._rejected += rejected
+        self._rejected.add_(rejected)
         kind, panel = self._plan
-        if add_gram_(self._comoment, x, kind, panel):
+        if add_gram_(self._comoment, x, kind, panel) and not self._stale_lower:
             self._stale_lower = True
         self._merge_moments(n_b, mean_b, None)
 
@@ -262,105 +322,154 @@ class StreamingCovariance:
     def _merge_moments(
         self, n_b: torch.Tensor, mean_b: torch.Tensor, comoment_b: torch.Tensor | None
     ) -> None:
-        # Chan et al. (1979) pairwise update; safe when either side is empty (n_b / n -> 0 or 1).
-        n_a = self._n
-        n = n_a + n_b
-        delta = mean_b - self._mean
-        share = n_b / n.clamp_min(1)
-        if comoment_b is not None:
-            self._comoment += comoment_b
-        # In-place rank-1 update, the scalar folded into one vector: no d x d temporary.
-        self._comoment.addr_(delta, delta * (n_a * share))
-        self._mean += delta * share
-        self._n = n
+        self._n = merge_comoment_(self._n, self._mean, self._comoment, n_b, mean_b, comoment_b)
 
-    def merge(self, other: StreamingCovariance) -> StreamingCovariance:
-        """Fold another accumulator's rows into this one (exact; order does not matter)."""
-        if not isinstance(other, StreamingCovariance):
-            raise TypeError(f"merge: expected a StreamingCovariance, got {type(other).__name__}")
-        if other.dim != self.dim:
-            raise ValueError(f"merge: dimensions differ ({self.dim} vs {other.dim})")
+    # ------------------------------------------------------------- merging
+    def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
+        """Fold another accumulator's rows into this one (exact; order does not matter): a
+        :class:`StreamingCovariance` of the same ``dim``, or its ``metric_state`` dict."""
+        updates = incoming_state.update_count if isinstance(incoming_state, Metric) else 1
+        super().merge_state(incoming_state)
+        self._update_count += updates  # compute() after a merge is not "before update"
+
+    @property
+    def metric_state(self) -> dict[str, torch.Tensor]:
+        """The four state tensors by name (the co-moment whole), what :meth:`merge_state` takes."""
+        self._full()
+        return super().metric_state
+
+    def _reduce_states(self, incoming_state: dict[str, Any]) -> None:
+        # What Metric.merge_state and Metric.forward call to fold a whole state in: Chan's merge.
+        comoment = incoming_state["_comoment"]
+        if tuple(comoment.shape) != (self.dim, self.dim):
+            raise ValueError(
+                f"merge_state: dimensions differ ({self.dim} vs {tuple(comoment.shape)[-1]})"
+            )
+        put = self._device
         self._merge_moments(
-            other._n.to(self.device), other._mean.to(self.device), other._full().to(self.device)
+            incoming_state["_n"].to(put), incoming_state["_mean"].to(put), comoment.to(put)
         )
-        self._rejected += other._rejected.to(self.device)
-        return self
+        self._rejected.add_(incoming_state["_rejected"].to(put))
+        self._computed = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``Metric.forward``: fold the rows in and return the covariance of this batch alone."""
+        self._full()  # Metric.forward sets the state aside raw and merges it back
+        return super().forward(*args, **kwargs)
 
     # -------------------------------------------------------------- processes
     def reduce_(self, group: Any = None) -> StreamingCovariance:
-        """Merge the state of every process in ``group`` exactly, in place, on every rank.
-
-        docs/metrics.md §0: first the global count and mean (one small ``all_reduce`` of
-        ``[n, n*mu, rejected]``), then each rank re-centres its co-moment on the global mean,
-        ``M_r + n_r (mu_r - mu)(mu_r - mu)^T``, and the ``d x d`` co-moments are summed in one
-        ``all_reduce``. Peak memory is one state, not one per rank. Every rank of the group must
-        call it at the same point (it is a collective). A no-op when ``torch.distributed`` is not
-        initialised or the world has one process.
-        """
+        """Merge the state of every process in ``group`` exactly, in place, for good (a read's
+        window; :meth:`compute` merges but keeps the local state): docs/metrics.md §0,
+        :func:`~normscope.functional.comoment.all_reduce_comoment_`, no copy of the state. A
+        collective: every rank of the group calls it at the same point. A no-op when
+        ``torch.distributed`` is not initialised or the world has one process."""
         if not (dist.is_available() and dist.is_initialized()):
             return self
         if dist.get_world_size(group) == 1:
             return self
-        head = torch.cat(
-            [self._n.reshape(1), self._n * self._mean, self._rejected.to(torch.float64).reshape(1)]
+        self._n, self._mean, self._rejected = all_reduce_comoment_(
+            self._n, self._mean, self._full(), self._rejected, group
         )
-        dist.all_reduce(head, op=dist.ReduceOp.SUM, group=group)
-        n = head[0]
-        mean = head[1:-1] / n.clamp_min(1)
-        delta = self._mean - mean
-        self._full()
-        # Re-centre in place (rank-1, no d x d temporary) and sum: one state of memory.
-        self._comoment.addr_(delta, delta * self._n)
-        dist.all_reduce(self._comoment, op=dist.ReduceOp.SUM, group=group)
-        self._n = n
-        self._mean = mean
-        self._rejected = head[-1].round().to(torch.int64)
+        self._computed = None
         return self
 
-    # ------------------------------------------------------------ persistence
-    def state_dict(self) -> dict[str, Any]:
-        """A dict of plain tensors and ints; :meth:`load_state_dict` restores it exactly."""
-        state: dict[str, Any] = {
-            "dim": self.dim,
-            "max_rows": self.max_rows,
-            "seed": self.seed,
-            "n": self._n.clone(),
-            "mean": self._mean.clone(),
-            "comoment": self._full().clone(),
-            "rows_rejected": self._rejected.clone(),
-        }
-        if self._generator is not None:
-            state["generator"] = self._generator.get_state()
-        return state
+    def sync(
+        self,
+        dist_sync_fn: Any = None,
+        process_group: Any = None,
+        should_sync: bool = True,
+        distributed_available: Any = None,
+    ) -> None:
+        """``Metric.sync`` with this accumulator's own ``dist_sync_fn`` by default (an in-place
+        all-reduce, never a gather); ``unsync()`` gives the local state back."""
+        self._full()  # the local copy Metric.sync keeps for unsync must hold the whole matrix
+        fn = dist_sync_fn or self.dist_sync_fn or self._sync_state
+        super().sync(fn, process_group, should_sync, distributed_available)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; tensors go to *this* accumulator's device."""
-        if int(state["dim"]) != self.dim:
-            raise ValueError(
-                f"load_state_dict: state has d={state['dim']}, accumulator has d={self.dim}"
-            )
-        put = {"device": self.device}
-        self._n = state["n"].to(dtype=torch.float64, **put).reshape(())
-        self._mean = state["mean"].to(dtype=torch.float64, **put).clone()
-        self._comoment = state["comoment"].to(dtype=torch.float64, **put).clone()
-        self._stale_lower = False
-        self._rejected = state["rows_rejected"].to(dtype=torch.int64, **put).reshape(())
+    def _sync_state(self, state: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        # The dist_sync_fn. Metric.sync calls it once per state and stacks what it returns: the
+        # first call merges every state at once (reduce_: the co-moment all-reduced in place),
+        # each call returns its own state, merged, as a one-element list.
+        pending = self.__dict__.get("_pending_sync")
+        if not pending:
+            before = {id(getattr(self, name)): name for name in self._defaults}
+            self.reduce_(group)
+            pending = self._pending_sync = {k: getattr(self, v) for k, v in before.items()}
+        return [pending.pop(id(state))]
+
+    def __copy__(self) -> StreamingCovariance:
+        """``copy.copy``: a view of the state to read (a read's frozen window; ``reset`` gives
+        the original new tensors), without torchmetrics' wrappers of ``update`` and ``compute``:
+        they hold the instance in a cycle, and a dropped view would keep ``8 d^2`` bytes."""
+        view = type(self).__new__(type(self))
+        skip = ("update", "compute", "dist_sync_fn")
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in skip})
+        view.__dict__["dist_sync_fn"] = None  # sync() runs the view's own _sync_state
+        return view
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.copy (a read's frozen window), deepcopy, pickle: the copy syncs itself
+        super().__setstate__(state)
+        self.dist_sync_fn = self._sync_state
+
+    # ------------------------------------------------------------ persistence
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The four states (the co-moment whole) and ``_extra_state`` (``dim``, ...)."""
+        self._full()
+        return super().state_dict(*args, **kwargs)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"dim": self.dim, "max_rows": self.max_rows, "seed": self.seed}
+        extra["updates"] = self._update_count
+        if self._generator is not None:
+            extra["generator"] = self._generator.get_state()
+        return extra
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
         self.max_rows = state.get("max_rows", self.max_rows)
         self.seed = state.get("seed", self.seed)
+        self._update_count = int(state.get("updates", 0))
         if "generator" in state:
-            self._gen(self.device).set_state(state["generator"])
+            self._gen(self._device).set_state(state["generator"])
 
-    def to(self, device: torch.device | str) -> StreamingCovariance:
-        """Move the state to ``device`` (in place) and return ``self``."""
-        plan = fold_plan(self.dim, torch.device(device), self.fold)  # raises before any change
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        # Checked before anything changes; the loaded tensors are the caller's: copied onto
+        # this accumulator's device, float64 (the count of rejected rows int64).
+        saved = state_dict.get(prefix + "_comoment")
+        extra = state_dict.get(prefix + "_extra_state") or {}
+        width = int(extra.get("dim", saved.shape[-1] if saved is not None else self.dim))
+        if width != self.dim or (saved is not None and tuple(saved.shape) != (width, width)):
+            raise ValueError(f"load_state_dict: state has d={width}, accumulator has d={self.dim}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        for name, zero in self._defaults.items():
+            value = getattr(self, name).to(device=self._device, dtype=zero.dtype, copy=True)
+            setattr(self, name, value.reshape(zero.shape))
+        self._stale_lower = False
+        self._computed = None
+
+    def to(self, *args: Any, **kwargs: Any) -> StreamingCovariance:
+        """Move the state to a device (``acc.to("cuda")``), in place, and return ``self``; the
+        state stays float64 whatever dtype is asked for."""
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, (str, torch.device)):
+            self._plan_on(torch.device(target))  # an impossible move raises before any change
+        return super().to(*args, **kwargs)
+
+    def _apply(self, fn: Any, exclude_state: Any = ()) -> StreamingCovariance:
+        # Metric._apply would cast the states and their defaults with fn, dtype included; here
+        # only the device changes and the defaults stay broadcast zeros.
+        device = fn(torch.zeros((), dtype=torch.float64, device=self._device)).device
+        plan = self._plan_on(device)
         self._full()
-        self.device, self._plan = torch.device(device), plan
-        self._n, self._mean = self._n.to(self.device), self._mean.to(self.device)
-        self._comoment, self._rejected = (
-            self._comoment.to(self.device),
-            self._rejected.to(self.device),
-        )
-        self._generator = None
+        super()._apply(fn, exclude_state=tuple(self._defaults))
+        for name in self._defaults:
+            setattr(self, name, getattr(self, name).to(device))
+        self._defaults = _zeros(self.dim, device)
+        self._device, self._dtype, self._plan = device, torch.float64, plan
+        self._generator, self._computed = None, None
         return self
 
     def memory_bytes(self) -> int:

@@ -217,5 +217,7 @@ class SourceSplit:
             if accs is None or len(saved) != len(accs):
                 continue
             for acc, acc_state in zip(accs, saved):
-                if int(acc_state["dim"]) == acc.dim:
+                try:
                     acc.load_state_dict(acc_state)
+                except ValueError:  # another width (checked before anything is loaded): skip it
+                    continue

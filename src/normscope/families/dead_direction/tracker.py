@@ -488,8 +488,11 @@ class DeadDirectionTracker:
         for key, acc_state in state.get("taps", {}).items():
             name, where = key.rsplit("|", 1)
             tap = self.taps.taps.get((name, where))
-            if tap is not None and int(acc_state["dim"]) == tap.dim:
-                tap.accumulator.load_state_dict(acc_state)
+            try:
+                if tap is not None:
+                    tap.accumulator.load_state_dict(acc_state)
+            except ValueError:  # another width: refused before anything is loaded
+                continue
         if self.split is not None and "sources" in state:
             self.split.load_state_dict(state["sources"])
         if self.attention is not None and "attention" in state:
