@@ -13,7 +13,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from normscope import ConfigurationError, DeadDirectionConfig
@@ -21,20 +20,11 @@ from normscope.adapters.transformers import DeadDirectionCallback, watch
 from normscope.families.sign_magnitude import SignMagnitudeConfig
 from normscope.runs import read_run
 from tests.support.cli import run_cli
-from tests.support.hf_models import VOCAB, build_hf_model, token_batch
+from tests.support.hf_models import TokenSamples, build_hf_model
 
 STEPS, EVERY = 6, 2
 BATCH, SEQ = 4, 16  # 64 rows a step: enough for every dead-direction read of width 32
 RUN_KEY = {"dd": "dd/rows_rejected", "sm": "sm/sign_alignment_mean"}
-
-
-class Samples(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = token_batch(1, SEQ, VOCAB, seed=i)[0]
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 def _trainer(tmp: Path, arch: str, report_to: list[str], callbacks=()) -> transformers.Trainer:
@@ -53,7 +43,7 @@ def _trainer(tmp: Path, arch: str, report_to: list[str], callbacks=()) -> transf
         seed=0,
     )
     trainer = transformers.Trainer(
-        model=model.train(), args=args, train_dataset=Samples(), callbacks=list(callbacks)
+        model=model.train(), args=args, train_dataset=TokenSamples(SEQ), callbacks=list(callbacks)
     )
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
     return trainer

@@ -14,20 +14,9 @@ import lightning as L
 import torch
 
 from normscope import DeadDirectionMonitor, SignMagnitudeMonitor
-from tests.support.hf_models import SEQ, VOCAB, build_hf_model, token_batch
+from tests.support.hf_models import TokenSamples, build_hf_model
 
 STEPS, EVERY = 4, 2
-
-
-class Samples(torch.utils.data.Dataset):
-    """Fixed token sequences, labels = inputs (a causal LM's own loss)."""
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = token_batch(1, SEQ, VOCAB, seed=i)[0]
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 class Wrapper(L.LightningModule):
@@ -59,7 +48,7 @@ def test_both_families_find_the_compiled_model_a_wrapper_holds(tmp_path):
         enable_checkpointing=False,
         default_root_dir=tmp_path,
     )
-    loader = torch.utils.data.DataLoader(Samples(), batch_size=4)
+    loader = torch.utils.data.DataLoader(TokenSamples(), batch_size=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(Wrapper(), train_dataloaders=loader)

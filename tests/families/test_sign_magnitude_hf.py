@@ -22,24 +22,13 @@ from normscope.families.sign_magnitude import SignMagnitudeConfig, SignMagnitude
 from normscope.families.sign_magnitude.family import slice_batch
 from normscope.families.sign_magnitude.layers import find_block_linears, weight_matrix
 from normscope.families.sign_magnitude.probes import Probes
-from tests.support.hf_models import BATCH, SEQ, VOCAB, build_hf_model, token_batch
+from tests.support.hf_models import BATCH, SEQ, TokenSamples, build_hf_model, token_batch
 
 ARCHS = ["gpt2", "llama", "gpt_neox_sequential"]
 STEPS, EVERY = 4, 2
 #: probe reads (asymmetry and ternary readiness) that every probed layer must log
 PROBE_KEYS = ("asymmetry_ratio", "quant_transverse_rel")
 WEIGHT_KEYS = ("sign_alignment", "ternary_alignment", "ternary_sparsity", "max_leverage")
-
-
-class Samples(torch.utils.data.Dataset):
-    """Fixed token sequences, labels = inputs (a causal LM's own loss)."""
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = token_batch(1, SEQ, VOCAB, seed=i)[0]
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 def _model(arch: str) -> nn.Module:
@@ -167,7 +156,7 @@ def _hf_trainer(tmp_path, arch: str) -> transformers.Trainer:
         dataloader_num_workers=0,
         seed=0,
     )
-    trainer = transformers.Trainer(model=_model(arch), args=args, train_dataset=Samples())
+    trainer = transformers.Trainer(model=_model(arch), args=args, train_dataset=TokenSamples())
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
     return trainer
 
@@ -219,7 +208,7 @@ def test_lightning_wrapper_without_forward_probes_through_the_training_forward(t
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    loader = torch.utils.data.DataLoader(Samples(), batch_size=BATCH)
+    loader = torch.utils.data.DataLoader(TokenSamples(), batch_size=BATCH)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         trainer.fit(Wrapper(arch), train_dataloaders=loader)

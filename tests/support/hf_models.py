@@ -61,6 +61,21 @@ def token_batch(
     return torch.randint(0, vocab, (batch, seq), generator=gen)
 
 
+class TokenSamples(torch.utils.data.Dataset):
+    """``n`` fixed token sequences of length ``seq`` as a causal LM's samples (labels = inputs):
+    what the Hugging Face ``Trainer`` and a Lightning wrapper calling ``model(**batch)`` take."""
+
+    def __init__(self, seq: int = SEQ, n: int = 64) -> None:
+        self.seq, self.n = seq, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = token_batch(1, self.seq, VOCAB, seed=i)[0]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
 def _causal_lm(model: nn.Module) -> Built:
     ids = token_batch()
     model.eval()
