@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from normscope._common import ConfigurationError
 from normscope.adapters.fabric import FabricLoop, is_fabric, tensor_parallel_size
-from normscope.alerts import Alert, AlertRule
+from normscope.alerts import Alert, AlertRule, Pager
 from normscope.engine import Monitor, StepResult, Target
 from normscope.families import DeadDirectionConfig, SignMagnitudeConfig
 from normscope.families.dead_direction.config import SPECTRAL_EVERY
@@ -289,7 +289,7 @@ class DeadDirectionMonitor(_LightningMonitor):
 
     Args:
         every_n_steps, rules, alerts, stop_on_alert, verbose, overhead_warn, log_per_layer,
-            name, async_reads: the engine's (:class:`~normscope.engine.Monitor`).
+            name, async_reads, paging: the engine's (:class:`~normscope.engine.Monitor`).
         layers, residual, rows_per_read, alert_below, tolerance, patience, warmup_reads,
             kernel_residual_alert, null_tol, max_memory, example_forward, seed, sources,
             max_sources, attention, spectral_every: the family's
@@ -339,6 +339,7 @@ class DeadDirectionMonitor(_LightningMonitor):
         async_reads: bool | None = None,
         attention: str | Sequence[str] | None = "auto",
         spectral_every: int = SPECTRAL_EVERY,
+        paging: Pager | None = None,
     ) -> None:
         config = _config(
             lambda: DeadDirectionConfig(
@@ -372,6 +373,7 @@ class DeadDirectionMonitor(_LightningMonitor):
                 overhead_warn=overhead_warn,
                 name=name,
                 async_reads=async_reads,
+                paging=paging,
             )
         )
 
@@ -403,7 +405,7 @@ class SignMagnitudeMonitor(_LightningMonitor):
     (docs/monitors.md, ``SignMagnitudeMonitor``).
 
     Args:
-        every_n_steps, rules, alerts, verbose, overhead_warn, log_per_layer, name: the engine's,
+        every_n_steps, rules, alerts, verbose, overhead_warn, log_per_layer, name, paging: the engine's,
             as for :class:`DeadDirectionMonitor` (``name``: keys ``sm[name]/...``).
         layers, probe_layers, probe_batch, probe_samples, flip_rate, max_leverage_alert,
             churn_spike_factor, min_churn, example_forward, seed: the family's, as
@@ -438,6 +440,7 @@ class SignMagnitudeMonitor(_LightningMonitor):
         overhead_warn: float | None = 0.05,
         log_per_layer: str | int = "all",
         name: str | None = None,
+        paging: Pager | None = None,
     ) -> None:
         config = _config(
             lambda: SignMagnitudeConfig(
@@ -463,5 +466,6 @@ class SignMagnitudeMonitor(_LightningMonitor):
                 verbose=verbose,
                 overhead_warn=overhead_warn,
                 name=name,
+                paging=paging,
             )
         )
