@@ -169,11 +169,26 @@ def test_each_floor_exists(floor):
 
 
 def test_the_engine_and_the_floors_below_it_import_no_trainer():
-    """A plain loop uses the engine without Lightning, transformers or W&B being imported."""
+    """A plain loop uses the engine without Lightning or W&B being imported, and no normscope
+    module imports transformers: where it is installed, torchmetrics (the accumulators' base
+    class) imports it from its text metrics, and that is the only importer allowed."""
     code = (
-        "import sys, normscope.engine, normscope.families, normscope.taps, normscope.alerts\n"
-        "print(sorted(m for m in ('lightning', 'transformers', 'wandb') if m in sys.modules))\n"
+        "import sys, traceback\n"
+        "importers = []\n"
+        "class Watch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'transformers':\n"
+        "            frames = [f.filename for f in traceback.extract_stack()]\n"
+        "            importers.append(next(f for f in reversed(frames) if 'importlib' not in f\n"
+        "                                  and not f.startswith('<')))\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Watch())\n"
+        "import normscope.engine, normscope.families, normscope.taps, normscope.alerts\n"
+        "print(sorted(m for m in ('lightning', 'wandb') if m in sys.modules))\n"
+        "print([f for f in importers if 'torchmetrics' not in f])\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "[]", run.stdout
+    trainers, importers = run.stdout.strip().splitlines()
+    assert trainers == "[]", run.stdout
+    assert importers == "[]", run.stdout  # transformers only ever imported by torchmetrics
