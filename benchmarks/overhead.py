@@ -13,6 +13,8 @@ CUDA the device is synchronised at both ends). Configurations, per width:
 * ``none``: no monitor;
 * ``dd every=N``: ``Monitor.of(DeadDirectionConfig(), model, every_n_steps=N)``, defaults
   (``rows_per_read=None``: ``8 d`` rows per read), synchronous reads, no logger;
+  ``dd every=N spectral=k`` (``--spectral-every k``): the same with
+  ``DeadDirectionConfig(spectral_every=k)``, the decompositions at every ``k``-th read only;
 * ``wandb.watch every=N``: ``wandb.watch(model, log="all", log_freq=N)``, the monitoring users
   already run.
 
@@ -39,6 +41,7 @@ Usage::
     python benchmarks/overhead.py                                  # width 128, N = 10 20 50
     python benchmarks/overhead.py --width 128 256 --steps 200 --out /tmp/overhead
     python benchmarks/overhead.py --width 512 --every 10 --steps 60  # the per-read extra only
+    python benchmarks/overhead.py --width 256 --every 10 --spectral-every 1 5  # the cost tiers
     python benchmarks/overhead.py --render /tmp/overhead.json
 
 ``StepTimer``, ``timed_trainer`` and ``summarise`` (a Lightning fit's step times) serve
@@ -250,16 +253,22 @@ def interleaved(
     run_dir: str | None = None,
     stop: Callable[[], bool] | None = None,
     max_bytes: int = 4_000_000,
+    spectral: Sequence[int] = (1,),
 ) -> list[dict[str, Any]]:
     """Train every configuration ``steps`` steps, interleaved block by block; one dict per
     configuration (step times and read steps), ``none`` first. ``stop()`` is asked before
-    each round (a deadline): True ends the run with the rounds done, every copy alike."""
+    each round (a deadline): True ends the run with the rounds done, every copy alike.
+    ``spectral``: one monitored copy per ``spectral_every`` value (and ``every``)."""
     device = torch.device(device)
     torch.manual_seed(0)
     base = GPT(GPTConfig(n_embd=width, n_layer=layers)).to(device)
-    configs = [("none", "none", max(everys))]
-    configs += [(f"dd every={e}", "dd", e) for e in everys]
-    configs += [(f"wandb.watch every={e}", "watch", e) for e in everys] if watch else []
+    configs = [("none", "none", max(everys), 1)]
+    configs += [
+        (f"dd every={e}" + (f" spectral={k}" if k != 1 else ""), "dd", e, k)
+        for e in everys
+        for k in spectral
+    ]
+    configs += [(f"wandb.watch every={e}", "watch", e, 1) for e in everys] if watch else []
     run = None
     if watch:
         import wandb
@@ -270,13 +279,14 @@ def interleaved(
         )  # fmt: skip
         undo = _count_watch_logs()
     copies = []
-    for name, kind, every in configs:
+    for name, kind, every, spectral_every in configs:
         model = copy.deepcopy(base)
         c = Copy(name, kind, every, model, make_optimizer(model, 1e-3, 0.1), _batches(
             batch_size, device, max_bytes))  # fmt: skip
         if kind == "dd":
             c.monitor = Monitor.of(
-                DeadDirectionConfig(), model, every_n_steps=every, alerts=(), verbose=False,
+                DeadDirectionConfig(spectral_every=spectral_every), model, every_n_steps=every,
+                alerts=(), verbose=False,
                 overhead_warn=None,
             )  # fmt: skip
         elif kind == "watch":
@@ -411,6 +421,10 @@ def main() -> None:
     parser.add_argument("--every", type=int, nargs="+", default=[10, 20, 50])
     parser.add_argument("--width", type=int, nargs="+", default=[128])
     parser.add_argument("--block", type=int, default=1, help="steps per turn of a copy")
+    parser.add_argument(
+        "--spectral-every", type=int, nargs="+", default=[1],
+        help="one monitored copy per value of DeadDirectionConfig(spectral_every=)",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--no-watch", action="store_true", help="leave wandb.watch out")
     parser.add_argument(
@@ -445,7 +459,7 @@ def main() -> None:
         t0 = time.perf_counter()
         got = interleaved(
             width, args.every, args.steps, device=device, block=args.block,
-            batch_size=args.batch_size, watch=not args.no_watch,
+            batch_size=args.batch_size, watch=not args.no_watch, spectral=args.spectral_every,
         )  # fmt: skip
         raw.append({"width": width, "results": got})
         rows += summarise_interleaved(width, got)

@@ -167,3 +167,30 @@ def test_resume_keeps_the_tier_schedule():
     assert state["family"]["reads_taken"] == n
     _, resumed = _fit(DeadDirectionConfig(spectral_every=3), steps=4, state=state)
     assert [s for s, *_ in resumed] == [(n + i) % 3 == 0 for i in range(len(resumed))]
+
+
+def test_a_collapse_the_cheap_tier_sees_is_read_spectral_at_once():
+    """The final norm's output offset share is cheap; at or over the collapse rule's least
+    firing share (``jump_to`` 0.95) a cheap read computes the spectral tier too, so the rule
+    judges the collapse on that read, not ``spectral_every`` reads later."""
+    config = DeadDirectionConfig(spectral_every=100)
+    monitor, healthy = _fit(config, steps=4)
+    assert len(healthy) >= 3 and [s for s, *_ in healthy] == [True] + [False] * (len(healthy) - 1)
+    assert monitor.family.tracker.escalated == 0
+    assert monitor.family.escalation_line() == pytest.approx(0.95)
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    with torch.no_grad():  # every output row the bias plus a whisper: one shared vector
+        model.ln_f.weight.fill_(1e-4)
+        model.ln_f.bias.fill_(1.0)
+    monitor, collapsed = _fit(config, steps=4, model=model)
+    shares = [m["dd/final_out_offset_share"] for _, m, *_ in collapsed]
+    assert min(shares) > 0.99
+    assert len(collapsed) >= 3 and all(s for s, *_ in collapsed)
+    assert monitor.family.tracker.escalated == len(collapsed) - 1
+    assert all("dd/final_rankme_centred" in m for _, m, *_ in collapsed)
+    # every read spectral already: nothing to escalate
+    assert DeadDirectionConfig().spectral_every == 1
+    monitor, _ = _fit(DeadDirectionConfig(), steps=2, model=model)
+    assert monitor.family.escalation_line() is None and monitor.family.tracker.escalated == 0

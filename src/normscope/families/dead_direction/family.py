@@ -13,6 +13,7 @@ from normscope._common import ConfigurationError, fmt, say, warn_rank_zero
 from normscope.alerts import (
     AlertRule,
     KernelLossRule,
+    RepresentationCollapseRule,
     SigmaMinRatioRule,
     SourceCollapseRule,
     default_dead_direction_rules,
@@ -282,12 +283,33 @@ class DeadDirectionFamily:
         assert self.tracker is not None
         if distributed:
             self.tracker.reduce()
-        return self.tracker.take(step, swap=swap, spectral=self.next_spectral())
+        return self.tracker.take(
+            step, swap=swap, spectral=self.next_spectral(), escalate_above=self.escalation_line()
+        )
 
     def read(self, step: int, *, distributed: bool) -> DeadDirectionReport:
         """A synchronous read: the same take / solve / assemble, waited for at once."""
         assert self.tracker is not None
-        return self.tracker.read(step, reduce=distributed, spectral=self.next_spectral())
+        return self.tracker.read(
+            step,
+            reduce=distributed,
+            spectral=self.next_spectral(),
+            escalate_above=self.escalation_line(),
+        )
+
+    def escalation_line(self) -> float | None:
+        """The final norm's output offset share at or over which a cheap read computes the
+        spectral tier as well: the least share at which a live
+        :class:`~normscope.alerts.RepresentationCollapseRule` can fire (its ``jump_to`` or
+        ``alert_above``); None without one, or when every read is spectral."""
+        if self.config.spectral_every == 1:
+            return None
+        lines = [
+            min(r.alert_above, 1.0 if r.jump_to is None else r.jump_to)
+            for r in self.rules
+            if isinstance(r, RepresentationCollapseRule)
+        ]
+        return min(lines, default=None)
 
     def tier_of(self, report: DeadDirectionReport) -> str:
         """``"spectral"`` when ``report`` computed the spectral tier, else ``"cheap"``: the

@@ -29,6 +29,7 @@ from normscope.families.dead_direction.window import (
     ReadWindow,
     covered,
 )
+from normscope.functional.stream import offset_share
 from normscope.taps.attention import AttentionLogits, find_attention_modules
 from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import NormLayer, discover_norm_layers, find_norm_layers
@@ -100,6 +101,7 @@ class DeadDirectionTracker:
         self._discovery: ResidualDiscovery | None = None
         self.attached = False
         self.last_solves = 0  # jobs this process solved at the last read (a split read: a share)
+        self.escalated = 0  # cheap reads raised to the spectral tier (:meth:`escalates`)
         self.rank_warned = False  # the one warning about inputs that do not span
         # the stream reads (docs/metrics.md §1.6): each norm's gamma at the first read (the
         # gain drift's baseline) and each residual point's RMS at the previous read
@@ -328,18 +330,25 @@ class DeadDirectionTracker:
         return torch.stack([r.to(found[0].device, torch.float64) for r in found]).max()
 
     def read(
-        self, step: int = 0, *, reduce: bool = True, reset: bool = True, spectral: bool = True
+        self,
+        step: int = 0,
+        *,
+        reduce: bool = True,
+        reset: bool = True,
+        spectral: bool = True,
+        escalate_above: float | None = None,
     ) -> DeadDirectionReport:
         """Reduce across processes (``reduce``; every rank must call this at the same step),
         run every read and start a new window (``reset``; ``False`` keeps the window: the
         same accumulators can be read again, as ``benchmarks/read_cost.py`` does). Under
         several processes every rank solves a round-robin share and the records are gathered:
         every rank gets the same full report (:mod:`~normscope.families.dead_direction.read`).
-        ``spectral=False``: the cheap tier only (docs/costs.md, "Tiers")."""
+        ``spectral=False``: the cheap tier only (docs/costs.md, "Tiers"), unless
+        ``escalate_above`` raises it (:meth:`escalates`)."""
         if reduce:
             self.reduce()
         share = read_share() if reduce else (0, 1)
-        window = self.take(step, swap=False, spectral=spectral)
+        window = self.take(step, swap=False, spectral=spectral, escalate_above=escalate_above)
         records = solve_window(window, share)
         parts = gather_records(records) if share[1] > 1 else [records]
         self.last_solves = records.solves
@@ -362,12 +371,36 @@ class DeadDirectionTracker:
         if self.attention is not None:
             self.attention.reduce_()
 
-    def take(self, step: int, *, swap: bool, spectral: bool = True) -> ReadWindow:
+    def escalates(self, line: float | None) -> bool:
+        """Whether a cheap read is raised to the spectral tier: the final norm's output offset
+        share (``dd/final_out_offset_share``, read from the accumulator's mean and diagonal,
+        ``O(d)``) is at or over ``line`` -- the least share at which a
+        :class:`~normscope.alerts.RepresentationCollapseRule` can fire, so that a collapse seen
+        by the cheap tier is judged on this read, not ``spectral_every`` reads later
+        (docs/costs.md, "Tiers"). Call after :meth:`reduce`: every rank decides alike."""
+        final = self.layout.final_norm if self.layout is not None else None
+        if line is None or final is None or final not in self.norm_taps:
+            return False
+        tap = self.norm_taps[final][1]
+        acc = tap.accumulator
+        if tap.failed is not None or acc.count < 1:
+            return False
+        variance = acc.comoment.diagonal() / acc.count
+        share = offset_share(acc.mean, variance, acc.count)
+        return share == share and share >= line  # NaN: no
+
+    def take(
+        self, step: int, *, swap: bool, spectral: bool = True, escalate_above: float | None = None
+    ) -> ReadWindow:
         """Freeze the window (after :meth:`reduce`). ``swap`` (an asynchronous read): every
         accumulator is shallow-copied -- the copy keeps *references* to the window's tensors --
         and the live taps are reset with fresh tensors, so the next window folds into new
         memory while the read holds the old (no ``d x d`` copy); else the window reads the
-        live accumulators and the caller resets them after."""
+        live accumulators and the caller resets them after. A cheap read (``spectral=False``)
+        is raised to the spectral tier when :meth:`escalates` at ``escalate_above``."""
+        if not spectral and self.escalates(escalate_above):
+            spectral = True
+            self.escalated += 1
         live = list(self.taps.taps.values())
         frozen = {t.key: (_frozen(t) if swap else t) for t in live}
         split = self.split
