@@ -52,8 +52,15 @@ def _fit(config, *, steps=12, every=1, cancel_at=None, nan_at=None, model=None, 
 
 
 def test_spectral_every_is_checked_once():
-    assert DeadDirectionConfig().spectral_every == 1  # every read full until the tiers are measured
-    for bad in (0, -1, 2.0, True, "5"):
+    assert DeadDirectionConfig().spectral_every == "auto"
+    assert [DeadDirectionConfig().spectral_every_at(d) for d in (16, 128, 129, 4096)] == [
+        1,
+        1,
+        5,
+        5,
+    ]
+    assert DeadDirectionConfig(spectral_every=7).spectral_every_at(16) == 7
+    for bad in (0, -1, 2.0, True, "5", "Auto", None):
         with pytest.raises(ConfigurationError, match="spectral_every"):
             DeadDirectionConfig(spectral_every=bad)
 
@@ -190,7 +197,15 @@ def test_a_collapse_the_cheap_tier_sees_is_read_spectral_at_once():
     assert len(collapsed) >= 3 and all(s for s, *_ in collapsed)
     assert monitor.family.tracker.escalated == len(collapsed) - 1
     assert all("dd/final_rankme_centred" in m for _, m, *_ in collapsed)
-    # every read spectral already: nothing to escalate
-    assert DeadDirectionConfig().spectral_every == 1
+    # every read spectral already ("auto" at width 16 is 1): nothing to escalate
     monitor, _ = _fit(DeadDirectionConfig(), steps=2, model=model)
+    assert monitor.family.spectral_every() == 1
     assert monitor.family.escalation_line() is None and monitor.family.tracker.escalated == 0
+
+
+def test_auto_reads_every_fifth_read_spectral_above_width_128():
+    torch.manual_seed(0)
+    monitor, reads = _fit(DeadDirectionConfig(), steps=24, model=TinyLM(d=144, layers=1, heads=2))
+    assert monitor.family.spectral_every() == 5
+    spectral = [s for s, *_ in reads]
+    assert len(spectral) >= 6 and spectral[:6] == [True, False, False, False, False, True]

@@ -338,7 +338,7 @@ class DeadDirectionMonitor(_LightningMonitor):
         name: str | None = None,
         async_reads: bool | None = None,
         attention: str | Sequence[str] | None = "auto",
-        spectral_every: int = SPECTRAL_EVERY,
+        spectral_every: int | str = SPECTRAL_EVERY,
         paging: Pager | None = None,
     ) -> None:
         config = _config(

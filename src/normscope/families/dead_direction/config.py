@@ -19,10 +19,21 @@ from normscope.families.checks import check_layers
 from normscope.families.dead_direction.family import DeadDirectionFamily
 from normscope.families.dead_direction.report import KIND
 
-__all__ = ["DeadDirectionConfig", "ROWS_PER_DIM", "SPECTRAL_EVERY"]
+__all__ = [
+    "AUTO_FULL_UP_TO",
+    "AUTO_SPECTRAL_EVERY",
+    "DeadDirectionConfig",
+    "ROWS_PER_DIM",
+    "SPECTRAL_EVERY",
+]
 
 #: every how many reads the spectral tier is computed by default (docs/costs.md, "Tiers")
-SPECTRAL_EVERY = 1
+SPECTRAL_EVERY = "auto"
+#: ``spectral_every="auto"``: every read full while the widest norm layer is at most this wide
+#: (the fold, not the solves, is most of a read there), one read in ``AUTO_SPECTRAL_EVERY``
+#: spectral above it (docs/costs.md, "Tiers": why, measured)
+AUTO_FULL_UP_TO = 128
+AUTO_SPECTRAL_EVERY = 5
 
 #: rows each tapped tensor folds per read by default, in units of its width ``d`` (the figures
 #: that chose 8: docs/costs.md, "Rows")
@@ -65,7 +76,8 @@ class DeadDirectionConfig:
         spectral_every: the spectral tier (the decompositions: the ``sigma_min`` profile, the
             kernel alignments, ``delta_gamma``, RankMe, Schur) is read at the first read and
             every this many reads; the others read the cheap tier only (docs/costs.md,
-            "Tiers"). 1: every read is a full read.
+            "Tiers"). 1: every read is a full read; ``"auto"`` (default): 1 up to width 128,
+            5 above (:meth:`spectral_every_at`).
 
     Each is described in docs/monitors.md; a bad one raises ``ConfigurationError`` naming it.
 
@@ -94,7 +106,7 @@ class DeadDirectionConfig:
     sources: Callable[[Any], Any] | str | None = None
     max_sources: int = 8
     attention: str | Sequence[str] | None = "auto"
-    spectral_every: int = SPECTRAL_EVERY
+    spectral_every: int | str = SPECTRAL_EVERY
 
     def __post_init__(self) -> None:
         layers = check_layers(self.layers, KIND)
@@ -132,8 +144,12 @@ class DeadDirectionConfig:
             )
         if not _int(self.max_sources) or self.max_sources < 1:
             self._refuse(f"max_sources must be >= 1, got {self.max_sources!r}")
-        if not _int(self.spectral_every) or self.spectral_every < 1:
-            self._refuse(f"spectral_every must be an int >= 1, got {self.spectral_every!r}")
+        if self.spectral_every != "auto" and (
+            not _int(self.spectral_every) or self.spectral_every < 1
+        ):
+            self._refuse(
+                f"spectral_every must be an int >= 1 or 'auto', got {self.spectral_every!r}"
+            )
 
     @staticmethod
     def _refuse(why: str) -> None:
@@ -147,6 +163,23 @@ class DeadDirectionConfig:
         if self.rows_per_read == "all":
             return None
         return int(self.rows_per_read)
+
+    def spectral_every_at(self, width: int) -> int:
+        """Reads per spectral read for a model whose widest norm layer is ``width``: the int
+        itself, or for ``"auto"`` 1 up to :data:`AUTO_FULL_UP_TO`, :data:`AUTO_SPECTRAL_EVERY`
+        above.
+
+        Example::
+
+            >>> c = DeadDirectionConfig()
+            >>> c.spectral_every_at(128), c.spectral_every_at(256)
+            (1, 5)
+            >>> DeadDirectionConfig(spectral_every=3).spectral_every_at(4096)
+            3
+        """
+        if self.spectral_every == "auto":
+            return 1 if width <= AUTO_FULL_UP_TO else AUTO_SPECTRAL_EVERY
+        return int(self.spectral_every)
 
     def build(self) -> DeadDirectionFamily:
         """The family these options describe, for :class:`~normscope.engine.Monitor`."""

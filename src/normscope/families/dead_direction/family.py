@@ -91,7 +91,7 @@ class DeadDirectionFamily:
         )
         self.tracker: DeadDirectionTracker | None = None
         #: reads taken so far (checkpointed): read ``k`` (from 0) is spectral when
-        #: ``k % config.spectral_every == 0``, so the first read always is
+        #: ``k % spectral_every() == 0``, so the first read always is
         self.reads_taken = 0
         self._discovering = False
         self._saved: dict[str, Any] = {}  # state loaded before the tracker existed
@@ -273,9 +273,15 @@ class DeadDirectionFamily:
     def next_spectral(self) -> bool:
         """Whether the next read computes the spectral tier (docs/costs.md, "Tiers"): the
         first read and every ``spectral_every``-th after it; counts the read."""
-        spectral = self.reads_taken % self.config.spectral_every == 0
+        spectral = self.reads_taken % self.spectral_every() == 0
         self.reads_taken += 1
         return spectral
+
+    def spectral_every(self) -> int:
+        """Reads per spectral read: ``config.spectral_every``, ``"auto"`` resolved at the
+        widest norm layer (:meth:`DeadDirectionConfig.spectral_every_at`)."""
+        width = max((n.dim for n in self.tracker.norms), default=0) if self.tracker else 0
+        return self.config.spectral_every_at(width)
 
     def take(self, step: int, *, distributed: bool, swap: bool) -> ReadWindow:
         """The read step's main-thread part: the cross-rank reduce, then the window taken
@@ -302,7 +308,7 @@ class DeadDirectionFamily:
         spectral tier as well: the least share at which a live
         :class:`~normscope.alerts.RepresentationCollapseRule` can fire (its ``jump_to`` or
         ``alert_above``); None without one, or when every read is spectral."""
-        if self.config.spectral_every == 1:
+        if self.spectral_every() == 1:
             return None
         lines = [
             min(r.alert_above, 1.0 if r.jump_to is None else r.jump_to)
