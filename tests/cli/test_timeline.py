@@ -14,6 +14,7 @@ band first, and how many reads before the first alert and the loss move.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -24,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from normscope import DeadDirectionMonitor
 from normscope.cli import report
-from normscope.cli.timeline import Timeline, find_loss, first_movers, loss_moved
+from normscope.cli.timeline import WATCHED, Timeline, find_loss, first_movers, loss_moved
 from tests.support.cli import assert_drawn, load_json, run_cli
 from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
 
@@ -56,8 +57,9 @@ def test_movers_come_in_the_order_they_left_their_bands_with_their_leads() -> No
     ]
     assert (t.alert_step, t.alert_read, t.lead(t.alert_read)) == (80.0, 8, 3)
     assert t.baseline == 3 and not t.healthy and t.loss_step is None
-    band = t.bands["dd/gamma_scale_min"]
-    assert band.worse == "down" and band.lo == pytest.approx(1.0 / 1.5, rel=1e-9)
+    band = t.bands["dd/gamma_scale_min"]  # a scale: its band from its definition, 1 at start
+    assert (band.worse, band.lo, band.hi, band.n) == ("down", 0.5, 2.0, 0)
+    assert t.bands["dd/sigma_min_ratio_min"].lo == pytest.approx(1.2 / 1.5, rel=1e-9)
     assert t.bands["dd/attn_logit_max"].hi == 10.0  # the floor: a logit under 10 is no news
     lines = t.lines()
     assert lines[1].startswith("  read 5 (step 50): dd/gamma_scale_min 0.3 left its band")
@@ -148,9 +150,8 @@ ZOO_RUNS = (("gain_decay", "pathology", 80), ("gain_decay", "twin", 80),
 
 
 @pytest.fixture(scope="module")
-def zoo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Timeline]:
-    """The zoo's runs (seed 0, LayerNorm) saved as its JSONL records, read back by its own
-    ``load``, each turned into a timeline."""
+def zoo_saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The zoo's runs (seed 0, LayerNorm) saved as its JSONL records."""
     zoo = _zoo()
     path = tmp_path_factory.mktemp("zoo") / "reads.jsonl"
     data = zoo._data()
@@ -159,7 +160,13 @@ def zoo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
         for name, arm, steps in ZOO_RUNS:
             records = zoo.run_one(zoo.PATHOLOGIES[name], arm, "layernorm", 0, steps, data)
             fh.writelines(json.dumps(r) + "\n" for r in records)
-    runs, reads = zoo.load([str(path)])
+    return path
+
+
+@pytest.fixture(scope="module")
+def zoo_runs(zoo_saved: Path) -> dict[tuple[str, str], Timeline]:
+    """The saved runs read back by the zoo's own ``load``, each turned into a timeline."""
+    runs, reads = _zoo().load([str(zoo_saved)])
     return {(m["pathology"], m["arm"]): zoo_timeline(m, reads[run]) for run, m in runs.items()}
 
 
@@ -183,6 +190,108 @@ def test_the_healthy_twin_gets_the_healthy_line(zoo_runs) -> None:
     t = zoo_runs["gain_decay", "twin"]
     assert t.healthy, t.lines()
     assert len(t.lines()) == 1 and t.lines()[0].startswith("timeline: healthy:")
+
+
+def test_normscope_report_on_a_zoo_run_tells_the_same_story(zoo_saved, tmp_path) -> None:
+    """``pathology_zoo.py --timeline``: a saved run written as a Lightning CSV log (the live
+    alerts as ``dd/alert/<rule>`` keys, the loss as ``train_loss``) and read back by
+    ``normscope report`` gets the timeline built straight from its records."""
+    zoo = _zoo()
+    runs, reads = zoo.load([str(zoo_saved)])
+    name = next(n for n, m in runs.items() if (m["pathology"], m["arm"]) == ("gain_decay",
+                                                                              "pathology"))  # fmt: skip
+    one = tmp_path / "one.jsonl"
+    one.write_text(
+        "".join(line for line in zoo_saved.read_text().splitlines(True) if f'"{name}"' in line)
+    )
+    [told] = zoo.timelines([str(one)], str(tmp_path / "csv"))
+    direct = zoo_timeline(runs[name], reads[name]).as_dict()
+    story = told["timeline"]
+    assert story["movers"] == direct["movers"] and story["first_alert"] == direct["first_alert"]
+    assert story["loss"]["key"] == "train_loss" and story["loss"]["read"] == direct["loss"]["read"]
+    assert story["lead_over_alert"] == direct["lead_over_alert"] >= 1
+
+
+# ----------------------------------------------------------------------------- a saved slice
+
+#: the watched keys of 12 zoo runs (seed 0: gain_decay, lr_divergence_warmup, logit_growth, each
+#: pathology and twin, both norms), their live alerts and per-step loss
+SAVED = Path(__file__).with_name("zoo_s0_timeline.json")
+
+
+def _saved() -> dict[str, dict]:
+    data = json.loads(SAVED.read_text())
+    runs = {}
+    for r in data["runs"]:
+        reads = {float(row[0]): dict(zip(data["keys"], map(float, row[1:]))) for row in r["reads"]}
+        loss = [(float(r["loss_first_step"] + i), v) for i, v in enumerate(r["loss"])]
+        t = first_movers(reads, [float(a) for a in r["alert_steps"]], loss, loss_key="loss")
+        runs[r["run"].removesuffix(" seed 0")] = {"reads": reads, "t": t, "gt_read": r["gt_read"]}
+    return runs
+
+
+def test_on_the_saved_slice_the_first_mover_precedes_every_alert_the_data_can_precede() -> None:
+    """Every pathology run whose alert comes before its ground truth (a lead): the first mover
+    comes before the alert where some read before the alert lies outside the range the healthy
+    twins take at that read, widened by the watched key's factor (``gain_decay``: the gains'
+    scale at read 4, 2 reads before ``norm_gain_drift``); elsewhere no read can, and the first
+    mover comes with the alert (``lr_divergence_warmup``: the alert at read 2, after one read at
+    step 1; ``logit_growth`` under RMSNorm: at read 3)."""
+    runs = _saved()
+    twins = [r for name, r in runs.items() if " twin " in name]
+    with_lead = {n: r for n, r in runs.items() if r["t"].alert_read and r["gt_read"] and
+                 r["t"].alert_read < r["gt_read"]}  # fmt: skip
+    assert sorted(with_lead) == [
+        "gain_decay pathology layernorm", "gain_decay pathology rmsnorm",
+        "logit_growth pathology rmsnorm",
+        "lr_divergence_warmup pathology layernorm", "lr_divergence_warmup pathology rmsnorm",
+    ]  # fmt: skip
+    for name, r in with_lead.items():
+        t = r["t"]
+        assert t.movers and t.movers[0].read <= t.alert_read, (name, t.lines())
+        steps = sorted(r["reads"])
+        earlier = []  # (read, key): outside every twin's range at that read, on the worse side
+        for i, step in enumerate(steps[: t.alert_read - 1]):
+            for w in WATCHED:
+                at = [tw["reads"][sorted(tw["reads"])[i]].get(w.key, math.nan) for tw in twins]
+                at = [v for v in at if math.isfinite(v)]
+                v = r["reads"][step].get(w.key, math.nan)
+                if at and (v > max(at) * w.factor if w.worse == "up" else v < min(at) / w.factor):
+                    earlier.append((i + 1, w.key))
+        if earlier:
+            assert t.movers[0].read < t.alert_read, (name, earlier, t.lines())
+        else:
+            assert t.movers[0].read == t.alert_read, (name, t.lines())
+        assert ("gain_decay" in name) == bool(earlier), (name, earlier)
+    for norm in ("layernorm", "rmsnorm"):
+        t = runs[f"gain_decay pathology {norm}"]["t"]
+        first = t.movers[0]
+        assert (first.key, first.read, t.alert_read) == ("dd/gamma_scale_min", 4, 6), t.lines()
+        assert first.band.n == 0 and first.band.lo == 0.5  # from the read's definition
+        assert (
+            "first alert at step 50 (read 6): the first mover led it by 2 read(s)" in t.lines()[-2]
+        )
+
+
+def test_on_the_saved_slice_every_healthy_twin_says_so_in_one_line() -> None:
+    """The twins, the high-learning-rate ``logit_growth`` ones included (gains drifting to 0.56
+    of their start in 150 steps, the centred RankMe falling 15x: no pathology), print the one
+    healthy line. Why the RankMe is not watched: a band from the first 3 reads widened 3x (as
+    it was) would have it leave at read 5 of a healthy run."""
+    runs = _saved()
+    for name, r in runs.items():
+        if " twin " in name:
+            assert r["t"].healthy and len(r["t"].lines()) == 1, (name, r["t"].lines())
+            assert r["t"].lines()[0].startswith("timeline: healthy: no read left its band")
+    reads = runs["logit_growth twin layernorm"]["reads"]
+    rankme = [v["dd/final_rankme_centred"] for _, v in sorted(reads.items())]
+    assert min(rankme[3:]) < min(rankme[:3]) / 3 and rankme[4] < min(rankme[:3]) / 3
+    assert all(w.key != "dd/final_rankme_centred" for w in WATCHED)
+    gains = [
+        v["dd/gamma_scale_min"]
+        for _, v in sorted(runs["logit_growth twin rmsnorm"]["reads"].items())
+    ]
+    assert 0.5 < min(gains) < 0.6
 
 
 # ----------------------------------------------------------------------------- the report
