@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from normscope import DeadDirectionMonitor
-from normscope.cli import report
+from normscope.cli import progress
 from normscope.cli.timeline import WATCHED, Timeline, find_loss, first_movers, loss_moved
 from tests.support.cli import assert_drawn, load_json, run_cli
 from tests.support.tiny_models import LitTiny, cpu_trainer, token_loader
@@ -310,7 +310,7 @@ def test_report_of_an_alerting_csv_run_prints_and_draws_its_timeline(
         trainer.fit(LitTiny(cancel_at_step=6, cancel_layer=1), train_dataloaders=token_loader())
     assert monitor.alerts_fired, "the cancelling branch must make the monitor alert"
     out = tmp_path / "out"
-    monkeypatch.setattr(report, "PROGRESS_AFTER_S", 0.0)  # every phase says so
+    monkeypatch.setattr(progress, "PROGRESS_AFTER_S", 0.0)  # every phase says so
     code, stdout, stderr = run_cli("report", tmp_path / "csv" / "version_0", "--out", out)
     assert code == 0
     assert "normscope report: read the csv run (" in stderr and "drew 6 figures in" in stderr
