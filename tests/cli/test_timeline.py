@@ -85,6 +85,18 @@ def test_the_band_is_taken_before_the_first_event() -> None:
     assert t.lead(t.alert_read) == 0
 
 
+def test_a_gain_scale_is_judged_from_read_1_and_the_notes_say_what_the_band_holds() -> None:
+    """The gains' scale has its band from its definition, so it can leave at read 1; a short
+    run's note says it is short; an alert at read 1 is in the band, and the note says so."""
+    t = first_movers({1.0: {"dd/gamma_scale_min": 0.3}, 2.0: {"dd/gamma_scale_min": 0.2}})
+    assert [(m.key, m.read) for m in t.movers] == [("dd/gamma_scale_min", 1)]
+    assert t.notes == ["the band takes 2 read(s), not 3: the run has 2 read(s)"]
+    reads = {1.0: {"dd/sigma_min_ratio_min": 0.1}, 2.0: {"dd/sigma_min_ratio_min": 0.01}}
+    t = first_movers(reads, alert_steps=[1.0])
+    assert t.lead(t.alert_read) == -1 and "the band holds it" in t.notes[0]
+    assert "the first mover came 1 read(s) after it" in "\n".join(t.lines())
+
+
 def test_the_loss_moves_when_its_trailing_mean_rises_over_its_best() -> None:
     falling = [(float(s), 4.0 - 0.05 * s) for s in range(40)]
     assert loss_moved(falling) is None

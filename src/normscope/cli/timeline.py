@@ -269,10 +269,12 @@ def first_movers(
     base_n = max(1, min(baseline, (first_event or len(steps) + 1) - 1, len(steps)))
     notes = []
     if steps and base_n < baseline:
-        notes.append(
-            f"the band takes {base_n} read(s), not {baseline}: the run's first event came at "
-            f"read {first_event}"
-        )
+        why = f"the run has {len(steps)} read(s)"
+        if first_event is not None and first_event <= len(steps):
+            why = f"the run's first event came at read {first_event}"
+            if first_event == 1:
+                why += " and the band holds it: a mover after it tells how the run went on"
+        notes.append(f"the band takes {base_n} read(s), not {baseline}: {why}")
     bands: dict[str, Band] = {}
     movers: list[Mover] = []
     for w in watched:
