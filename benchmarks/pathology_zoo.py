@@ -1041,5 +1041,69 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+# ----------------------------------------------------------------------------- timelines
+
+
+def timelines(paths: list[str], out_dir: str | None = None) -> list[dict[str, Any]]:
+    """``normscope report`` on every saved run (issue 43's "story of a run"). Each run's records
+    become a Lightning CSV log, ``<out_dir>/<run>/metrics.csv`` (default: beside the first
+    file): its reads at ``log_step``, the live monitor's alerts as the ``dd/alert/<rule>`` keys
+    the report takes as the run's own, and the per-step loss as ``train_loss`` at the global
+    step after its batch; ``normscope report --json`` reads each back and its timeline goes in
+    the table (the first mover, the alert's read, the ground truth's read, the lead).
+
+        python benchmarks/pathology_zoo.py --timeline zoo.jsonl
+    """
+    import contextlib
+    import csv
+    import io
+
+    from normscope.cli.main import main as cli
+
+    runs, reads = load(paths)
+    root = Path(out_dir) if out_dir else Path(paths[0]).with_suffix(".timeline")
+    head = ["run", "alert read", "first mover (read)", "lead over alert", "GT read", "story"]
+    rows, out = [], []
+    for name, meta in sorted(runs.items(), key=lambda kv: (_order(kv[1]["pathology"]), kv[0])):
+        by_step: dict[int, dict[str, Any]] = defaultdict(dict)
+        for s, gt in meta["per_step"].items():
+            if "loss" in gt:
+                by_step[int(s) + 1]["train_loss"] = _unclean(gt["loss"])
+        for r in reads.get(name, []):
+            by_step[int(r["log_step"])].update(r["metrics"])
+            by_step[int(r["log_step"])].update({f"dd/alert/{a}": 1.0 for a in r["live_alerts"]})
+        folder = root / name.replace(" ", "_")
+        folder.mkdir(parents=True, exist_ok=True)
+        keys = sorted({k for row in by_step.values() for k in row})
+        with (folder / "metrics.csv").open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["step", *keys])
+            for step in sorted(by_step):
+                w.writerow(
+                    [step, *(repr(by_step[step][k]) if k in by_step[step] else "" for k in keys)]
+                )
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            code = cli(["report", str(folder), "--out", str(folder / "report"), "--json"])
+        story = json.loads(text.getvalue())["timeline"] if code == 0 else {"lines": ["failed"]}
+        gt = judge_run(meta, reads.get(name, []), "today")["gt_cross"]
+        first = (story.get("movers") or [None])[0]
+        rows.append([
+            name, str(story.get("first_alert", {}).get("read")),
+            f"{first['key']} ({first['read']})" if first else "-",
+            str(story.get("lead_over_alert")), str(gt and gt["read"]),
+            "healthy" if story.get("healthy") else f"{len(story.get('movers', []))} mover(s)",
+        ])  # fmt: skip
+        out.append({"run": name, "meta": meta, "timeline": story, "gt": gt})
+    print(_md(head, rows))
+    print(f"\nCSV logs and reports under {root}/")
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == [
+        "--timeline"
+    ]:  # python pathology_zoo.py --timeline FILE... (no other flag)
+        timelines(sys.argv[2:])
+    else:
+        main()

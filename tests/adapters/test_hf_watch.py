@@ -7,6 +7,7 @@ callback passed as ``Trainer(callbacks=[...])`` alone binds itself at ``on_train
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import warnings
@@ -27,20 +28,25 @@ BATCH, SEQ = 4, 16  # 64 rows a step: enough for every dead-direction read of wi
 RUN_KEY = {"dd": "dd/rows_rejected", "sm": "sm/sign_alignment_mean"}
 
 
-def _trainer(tmp: Path, arch: str, report_to: list[str], callbacks=()) -> transformers.Trainer:
+def _trainer(
+    tmp: Path, arch: str, report_to: list[str], callbacks=(), **options
+) -> transformers.Trainer:
     model, _ = build_hf_model(arch)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp / "hf"),
-        max_steps=STEPS,
-        per_device_train_batch_size=BATCH,
-        learning_rate=1e-2,
-        logging_steps=2,
-        save_strategy="no",
-        report_to=report_to,
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
+        **{
+            "output_dir": str(tmp / "hf"),
+            "max_steps": STEPS,
+            "per_device_train_batch_size": BATCH,
+            "learning_rate": 1e-2,
+            "logging_steps": 2,
+            "save_strategy": "no",
+            "report_to": report_to,
+            "use_cpu": True,
+            "disable_tqdm": True,
+            "dataloader_num_workers": 0,
+            "seed": 0,
+        }
+        | options
     )
     trainer = transformers.Trainer(
         model=model.train(), args=args, train_dataset=TokenSamples(SEQ), callbacks=list(callbacks)
@@ -65,8 +71,9 @@ def _wait_for_rows(folder: Path, key: str, reads: int, timeout_s: float = 30.0) 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox_sequential"])
 def test_one_call_logs_every_read_to_tensorboard_and_wandb(tmp_path, monkeypatch, arch, family):
     """``watch(trainer, ...)`` and nothing else: each read the callback logged comes back from
-    the TensorBoard events and the offline W&B run, every key at every read step (W&B keeps the
-    double, TensorBoard float32), and ``normscope report`` renders both runs."""
+    the TensorBoard events and the offline W&B run, every key of every read at each step it
+    was logged (W&B keeps the double, TensorBoard float32), and ``normscope report`` renders
+    both runs."""
     import wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -89,8 +96,9 @@ def test_one_call_logs_every_read_to_tensorboard_and_wandb(tmp_path, monkeypatch
     for folder, source, rel in ((tmp_path / "hf", "tensorboard", 1e-6), (wandb_folder, "wandb", 0)):
         run = read_run(folder)
         assert run.source == source and run.key_prefix == "train/"
-        assert all(k.startswith(f"{family}/") for k in reads[max(reads)])
-        for key in reads[max(reads)]:
+        keys = {k for logged in reads.values() for k in logged}  # every read's, cheap or not
+        assert all(k.startswith(f"{family}/") for k in keys)
+        for key in sorted(keys):
             steps, values = run.series(key)
             want = [s for s in sorted(reads) if key in reads[s]]
             assert steps.tolist() == want, (source, key)
@@ -139,3 +147,24 @@ def test_watch_refuses_an_unknown_config(tmp_path):
         match="config must be None, a DeadDirectionConfig or a SignMagnitudeConfig",
     ):
         watch(trainer, {"every_n_steps": 3})
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_end_of_fit_summary_names_every_alert_with_its_step_and_remedy(tmp_path, caplog):
+    """One call, its defaults (``verbose`` off: no read lines), a GPT-2 diverging under plain
+    SGD at learning rate 10: the alerts page, and at the end of the fit one summary names every
+    alert with its step and what to try for its rule (the count line points to it)."""
+    trainer = _trainer(tmp_path, "gpt2", [], max_steps=12, learning_rate=10.0, optim="sgd")
+    callback = watch(trainer, DeadDirectionConfig(rows_per_read="all"), every_n_steps=EVERY)
+    with caplog.at_level(logging.INFO, logger="normscope"):
+        trainer.train()
+    fired = callback.alerts_fired
+    assert fired and all(a.remedy for a in fired), fired
+    said = [r.getMessage() for r in caplog.records if r.name == "normscope"]
+    [summary] = [m for m in said if m.startswith("normscope alerts:")]
+    assert summary.startswith(f"normscope alerts: {len(fired)} (")
+    for a in fired:
+        assert f"step {a.step}: {a.rule}" in summary and f"{a.rule}: {a.remedy}" in summary
+    assert not any(m.startswith("normscope summary:") for m in said)  # no family table: quiet
+    counted = [a for a in fired if a.paged is False]
+    assert any("see the summary" in m for m in said) == bool(counted)

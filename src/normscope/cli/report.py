@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from normscope.cli import norm_plots, render, run_plots, sm_report
 from normscope.cli.errors import CLIError
 from normscope.cli.figures import KERNEL_ALERT, KERNEL_ALERT_LABEL
 from normscope.cli.norm_plots import kernel_verdict
+from normscope.cli.progress import Phases
 from normscope.cli.run_alerts import (
     declared_kinds,
     is_post_norm,
@@ -211,26 +210,9 @@ def _chosen_steps(steps: Sequence[float], alert_steps: Sequence[float], n: int =
     return sorted(picks)
 
 
-#: a phase that takes longer than this (seconds) says so on stderr
-PROGRESS_AFTER_S = 1.0
-
-
-class _Phases:
-    """Progress on long work: one line on stderr for each phase that took over
-    :data:`PROGRESS_AFTER_S` (a short report prints none)."""
-
-    def __init__(self) -> None:
-        self.after, self.t0 = PROGRESS_AFTER_S, time.perf_counter()
-
-    def done(self, what: str) -> None:
-        took, self.t0 = time.perf_counter() - self.t0, time.perf_counter()
-        if took > self.after:
-            print(f"normscope report: {what} in {took:.1f} s", file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
     render.out_dir(args.out, create=False)
-    phases = _Phases()
+    phases = Phases("report")
     try:
         log = read_run(args.run_dir)
     except RunReadError as err:

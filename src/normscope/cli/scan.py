@@ -6,7 +6,8 @@ The engine is :func:`normscope.scan_model`. With ``--baseline random-init`` (the
 twin -- the same architecture at random init, seeded -- is scanned first on the same batches,
 and what it reads is shown beside the checkpoint's: its ``Delta_gamma`` (about 0: nothing dug
 in yet) and its ``sigma_min`` profile (docs/metrics.md §1.3-1.4). No read needs it: each
-``Delta_gamma`` carries its own random-direction control.
+``Delta_gamma`` carries its own random-direction control. Progress goes to stderr: a bar
+over the forwards on a terminal, a line per phase over a second (:mod:`normscope.cli.progress`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from normscope.cli.data import TokenData, make_batches
 from normscope.cli.errors import CLIError
 from normscope.cli.loading import load_model
 from normscope.cli.options import DEFAULT_TOKENS
+from normscope.cli.progress import Phases
 from normscope.cli.scan_result import scan_result, write_scan_outputs
 from normscope.families.dead_direction.report import DeadDirectionReport, rank_deficiency_note
 from normscope.families.scan import scan_model
@@ -49,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
         torch.empty(0, device=device)
     except (RuntimeError, ValueError) as err:
         raise CLIError(f"--device {args.device}: not usable here ({err})") from err
+    phases = Phases("scan")
     loaded = load_model(args.model, trust_remote_code=args.trust_remote_code, device=device)
+    phases.done(f"loaded {loaded.model.__class__.__name__}")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -76,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             notes.append(f"{what}the text ran out at {part.tokens} tokens (asked for {tokens})")
         per_source.append((name, part))
     data, sources = _combine(per_source)
+    phases.done(f"tokenised {data.tokens} tokens into {len(data.batches)} batches")
     if data.tokens < 2 * width:
         notes.append(
             f"{data.tokens} tokens < 2 d = {2 * width}: reads need at least 2 d rows and come "
@@ -86,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         twin = loaded.make_twin(args.seed).to(device=device, dtype=torch.float32).eval()
         twin_report = _scan(twin, data.batches, "random-init twin", notes, args.max_memory)
         del twin
+        phases.done("scanned the random-init twin")
     report = _scan(
         loaded.model,
         data.batches,
@@ -94,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_memory,
         sources=sources,
     )
+    phases.done("scanned the checkpoint")
     entry = entry_rank_note(report, data, loaded.tokenizer_name, width)
     if entry:
         notes.append(entry)
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     out = render.out_dir(args.out)
     gammas = _gammas(loaded.model, list(report.norms))
     write_scan_outputs(result, gammas, out)
+    phases.done(f"wrote {len(result['files'])} files")
     if args.json:
         print(render.to_json(result))
     else:

@@ -4,7 +4,9 @@ band first, in what order, and how many reads before the first alert and before 
 A read's **band** comes from the run itself: its values over the baseline reads (the first
 ``baseline`` reads, and never the read of the first alert or of the loss move, but at least
 one read), widened outward by a factor -- ``[min / factor, max * factor]`` -- and, for a read
-whose healthy level is known, never narrower than ``floor`` on its worse side. A read *leaves*
+whose healthy level is known, never narrower than ``floor`` on its worse side; a read defined
+relative to the run's start (a gain's scale) has its band from that definition instead
+(``anchor``) and is judged from the first read on. A read *leaves*
 its band when it passes the edge on its **worse** side (``up`` or ``down``: a falling
 ``sigma_min`` ratio, a rising logit); a move the other way is no news. ``+inf`` on an ``up``
 read leaves; NaN (not read) decides nothing. The **loss moved** where its trailing mean over
@@ -14,7 +16,7 @@ non-finite. The watched reads and their factors: :data:`WATCHED`; docs/cli.md sa
 Example::
 
     >>> reads = {float(s): {"dd/gamma_scale_min": g} for s, g in
-    ...          zip(range(10, 90, 10), [1.0, 0.99, 1.0, 0.98, 0.5, 0.3, 0.2, 0.1])}
+    ...          zip(range(10, 90, 10), [1.0, 0.99, 1.0, 0.98, 0.3, 0.2, 0.1, 0.05])}
     >>> t = first_movers(reads, alert_steps=[70.0])
     >>> [(m.key, m.read) for m in t.movers], t.alert_read, t.lead(t.alert_read)
     ([('dd/gamma_scale_min', 5)], 7, 2)
@@ -29,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from normscope.alerts import AttentionLogitRule
+from normscope.alerts import AttentionLogitRule, RepresentationCollapseRule
 
 __all__ = [
     "LOSS_KEYS",
@@ -50,31 +52,39 @@ Reads = Mapping[float, Mapping[str, float]]
 class Watch:
     """A run-level read the timeline watches: which way is ``worse`` (``"up"`` or ``"down"``),
     how far outside its baseline range it must go (``factor``), and for ``up`` reads the
-    least top of its band (``floor``: a level that is healthy whatever the run began at)."""
+    least top of its band (``floor``: a level that is healthy whatever the run began at).
+    ``anchor``: a read defined relative to the run's start (a gain's scale, 1 at the monitor's
+    first batch) has the band ``[anchor / factor, anchor * factor]`` from that definition, not
+    from its reads, and is judged from the first read on."""
 
     key: str
     worse: str
     factor: float = 1.5
     floor: float = 0.0
+    anchor: float | None = None
 
 
-#: The run-level keys the default rules read, each with the side that is worse. The rank reads
-#: get a wider factor: RankMe falls 2-3x in a healthy language model's first 100 steps (the
-#: pathology zoo's twins); the logit's floor is :class:`AttentionLogitRule`'s ``base`` (a rise
-#: from initialisation is no news).
+#: The run-level keys the default rules read, each with the side that is worse. Set from the
+#: pathology zoo's healthy twins (seeds 0 and 1, docs/cli.md): the gains' scales are read
+#: against their definition (1 at the first batch), 3x either way (a twin at learning rate
+#: 0.03 drifts to 0.39 in 150 steps); a few gains crossing zero (under 5% of a layer's) are no
+#: news (a twin's reach 1.6%); the floors of the logit and the offset share are their rules'
+#: (:class:`AttentionLogitRule`'s ``base``, :class:`RepresentationCollapseRule`'s
+#: ``alert_above``: a self-supervised twin's share wanders between 0.004 and 0.09). The centred
+#: RankMe is not watched: it has no worse side (a healthy language model's falls 15x from
+#: initialisation; the collapse rule asks it to stay high).
 WATCHED: tuple[Watch, ...] = (
     Watch("dd/nonfinite_share", "up"),
     Watch("dd/rows_rejected", "up"),
     Watch("dd/sigma_min_ratio_min", "down"),
     Watch("dd/sigma_min_step_min", "down"),
     Watch("dd/gamma_alignment_min", "down"),
-    Watch("dd/gamma_scale_min", "down"),
-    Watch("dd/gamma_scale_max", "up"),
-    Watch("dd/gamma_crossed_max", "up"),
+    Watch("dd/gamma_scale_min", "down", factor=3.0, anchor=1.0),
+    Watch("dd/gamma_scale_max", "up", factor=3.0, anchor=1.0),
+    Watch("dd/gamma_crossed_max", "up", floor=0.05),
     Watch("dd/rms_growth_max", "up"),
     Watch("dd/attn_logit_max", "up", floor=AttentionLogitRule().base),
-    Watch("dd/final_out_offset_share", "up"),
-    Watch("dd/final_rankme_centred", "down", factor=3.0),
+    Watch("dd/final_out_offset_share", "up", floor=RepresentationCollapseRule().alert_above),
 )
 
 #: The loss keys looked for, in this order (Lightning's ``self.log`` names, the Hugging Face
@@ -84,7 +94,8 @@ LOSS_KEYS = ("train/loss", "train_loss", "loss", "train/loss_step", "train_loss_
 
 @dataclass(frozen=True)
 class Band:
-    """A read's band ``[lo, hi]`` from ``n`` baseline values; only its ``worse`` edge counts."""
+    """A read's band ``[lo, hi]`` from ``n`` baseline values (0: from the read's definition,
+    :attr:`Watch.anchor`); only its ``worse`` edge counts."""
 
     lo: float
     hi: float
@@ -152,9 +163,10 @@ class Timeline:
         events.append((self.loss_read, self.loss_step, f"the loss ({self.loss_key}) moved"))
         for m in self.movers:
             edge = m.band.hi if m.band.worse == "up" else m.band.lo
+            since = "; a scale: its band about its start" if m.band.n == 0 else ""
             out.append(
                 f"  read {m.read} (step {m.step:g}): {m.key} {m.value:.4g} left its band "
-                f"({'above' if m.band.worse == 'up' else 'below'} {edge:.4g})"
+                f"({'above' if m.band.worse == 'up' else 'below'} {edge:.4g}{since})"
             )
         for read, step, what in events:
             if read is None:
@@ -260,21 +272,29 @@ def first_movers(
     base_n = max(1, min(baseline, (first_event or len(steps) + 1) - 1, len(steps)))
     notes = []
     if steps and base_n < baseline:
-        notes.append(
-            f"the band takes {base_n} read(s), not {baseline}: the run's first event came at "
-            f"read {first_event}"
-        )
+        why = f"the run has {len(steps)} read(s)"
+        if first_event is not None and first_event <= len(steps):
+            why = f"the run's first event came at read {first_event}"
+            if first_event == 1:
+                why += " and the band holds it: a mover after it tells how the run went on"
+        notes.append(f"the band takes {base_n} read(s), not {baseline}: {why}")
     bands: dict[str, Band] = {}
     movers: list[Mover] = []
     for w in watched:
-        base = [reads[s].get(w.key, math.nan) for s in steps[:base_n]]
-        base = [v for v in base if math.isfinite(v)]
-        if not base:
-            continue
-        hi = max(max(base) * w.factor if max(base) > 0 else max(base), w.floor)
-        lo = min(base) / w.factor if min(base) > 0 else min(base)
-        band = bands[w.key] = Band(lo, hi, w.worse, len(base))
-        for i, s in enumerate(steps[base_n:], base_n + 1):
+        if w.anchor is not None:  # the band from the read's definition: judged from read 1
+            if not any(w.key in reads[s] for s in steps):
+                continue
+            band, first = Band(w.anchor / w.factor, w.anchor * w.factor, w.worse, 0), 0
+        else:
+            base = [reads[s].get(w.key, math.nan) for s in steps[:base_n]]
+            base = [v for v in base if math.isfinite(v)]
+            if not base:
+                continue
+            hi = max(max(base) * w.factor if max(base) > 0 else max(base), w.floor)
+            lo = min(base) / w.factor if min(base) > 0 else min(base)
+            band, first = Band(lo, hi, w.worse, len(base)), base_n
+        bands[w.key] = band
+        for i, s in enumerate(steps[first:], first + 1):
             value = reads[s].get(w.key, math.nan)
             if band.outside(value):
                 movers.append(Mover(w.key, i, s, value, band))

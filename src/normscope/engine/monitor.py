@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normscope._common import ConfigurationError, logger, setup_logger
+from normscope._common import ConfigurationError, logger, say, setup_logger
 from normscope._distributed import rank_zero, read_share, world_size
 from normscope.alerts import Alert, Pager, build_sinks, format_alerts, rule_tier
 from normscope.engine.cost import CostGuard
@@ -337,19 +337,19 @@ class Monitor:
     @fail_open("finish")
     def finish(self) -> StepResult:
         """The end of training: the read in flight published (never lost), the worker joined,
-        the open event's count line, the summary (``verbose``: the family's, then every alert
-        with its step and remedy)."""
+        the open event's count line, the summary (``verbose``: the family's; then every alert
+        with its step and remedy, also without ``verbose`` when the alerts went to sinks)."""
         self._result = StepResult(should_stop=self.should_stop)
         self._publish_due(wait=True)
         self._stop_worker()
         closed = self.publisher.pager.close()
         if rank_zero():
             self.publisher.count_line(closed)
-        if self.verbose and self.last_report is not None and rank_zero():
-            text = self.family.summary(self.last_report, self.reads, self.alerts_fired)
-            text = "\n".join(t for t in (text, format_alerts(self.alerts_fired)) if t)
-            if text:
-                logger.info(self._named(text))
+        if (self.verbose or self.publisher.sinks) and self.last_report is not None and rank_zero():
+            report, fired = self.last_report, self.alerts_fired  # the list: also when they paged
+            text = self.verbose and self.family.summary(report, self.reads, fired)
+            if text := "\n".join(t for t in (text, format_alerts(fired)) if t):
+                say(self._named(text))  # printed unless the application set up logging
         return self._result
 
     def detach(self) -> None:
