@@ -10,6 +10,9 @@ under a real ``lightning.Trainer``, judged against a ground truth from this file
     python benchmarks/zoo_vision.py --table w256.jsonl           # judged per run (`today`)
     python benchmarks/pathology_zoo.py --judge w256.jsonl        # the zoo's table, unchanged
 
+On the shared 2-core CPU, one thread: a width-256 run 20-80 s, a width-512 run 1.5-4 min (the
+400-step healthy run 10 min), ``--quick`` about 15 s. Figures: ``benchmarks/RESULTS.md``.
+
 The records are the zoo's (``benchmarks/pathology_zoo.py``: a ``{"type": "run"}`` line and one
 ``{"type": "read"}`` line per read) plus ``arch`` (``"vit"``), ``width`` and ``depth``, so the
 zoo's ``--judge`` re-scores them without retraining. Pathology names and ground-truth lines are
