@@ -822,6 +822,12 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
             twin_alerts += sum(len(j["alerts"]) for _, j in patho)
             twin_reads += sum(j["reads"] for _, j in patho)
         rules = sorted({a["rule"] for _, j in patho for a in j["alerts"]})
+        crossed = [j for _, j in patho if j["gt_cross"] and j["gt_cross"]["read"]]
+        late = [
+            j["first_alert"]["read"] - j["gt_cross"]["read"] for j in crossed if j["first_alert"]
+        ]
+        late = [d for d in late if d > 0]
+        missed = sum(1 for j in crossed if not j["first_alert"])
         last_loss = [_last_loss(m) for m, _ in patho]
         twin_loss = [_last_loss(m) for m, _ in twin]
         rows.append(
@@ -838,6 +844,8 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
                 + (f" (GT crossed in {twin_gt})" if twin_gt else ""),
                 f"{_med(last_loss)} vs {_med(twin_loss)}",
                 f"{n}",
+                f"{len(late)}/{n}, by {_med(late)} reads" if p.gt else "-",
+                f"{missed}/{n}" if p.gt else "-",
             ]
         )
     return rows, judged
@@ -865,6 +873,8 @@ TABLE_HEAD = [
     "twin false alarms",
     "final loss (10-step mean), pathology vs twin",
     "seeds",
+    "late: alert after the GT read (runs; by, median)",
+    "missed: GT crossed, no alert",
 ]
 
 
