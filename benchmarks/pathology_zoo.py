@@ -8,10 +8,18 @@ a healthy twin, watched by ``DeadDirectionMonitor(every_n_steps=10)`` under a re
     python benchmarks/pathology_zoo.py --judge zoo.jsonl            # re-judge saved reads
     python benchmarks/pathology_zoo.py --judge zoo.jsonl --rules today,sigma_min
     python benchmarks/pathology_zoo.py --judge zoo.jsonl --plugin my_rules.py --rules mine
+    python benchmarks/pathology_zoo.py --arch llama --width 256 --trainer hf --seeds 2  # issue 41
 
 Figures, the machine and what normscope catches today: ``benchmarks/RESULTS.md``, "Pathology
 zoo". On the 2-core CPU, one thread: the sweep (180 runs) about 40 min, ``--quick`` about 40 s,
 ``--judge`` on the sweep's 2,310 reads about 10 s.
+
+**Other shapes** (issue 41, ``benchmarks/zoo_arch.py``): ``--arch llama|gpt2|neox`` (Hugging
+Face causal LMs built from configs, heads of size 64), ``--width``, ``--depth``, ``--tokenizer
+bpe|bytes`` (a ByteLevel BPE of 2,048 tokens trained at run time; the HF default), ``--trainer
+lightning|hf|plain`` (``transformers.Trainer`` with ``normscope.adapters.transformers.watch``,
+or a plain loop with ``normscope.Monitor``), ``--steps``. Only the pathologies that apply run
+(``zoo_arch.applies``); the records carry arch, width, depth, tokenizer and trainer.
 
 **Model.** ``benchmarks/zoo_model.py``: 4 layers x width 64, 4 heads, pre-norm, LayerNorm or
 RMSNorm, byte tokens from the Python standard library's sources (``examples/data.py``),
@@ -27,7 +35,10 @@ weight decay on the norm gains; twin: none), ``nonfinite`` (one sequence's embed
 step: a bad batch; twin: no NaN), ``logit_growth`` (Wortsman et al. 2023: a high learning rate
 without qk-layernorm; twin: with qk-layernorm), ``rank_collapse`` (Dong et al. 2021: blocks
 without identity skips, token representations collapse to rank one; twin: with skips),
-``post_norm`` (the control, a post-norm model; twin: the same pre-norm: both must stay quiet).
+``post_norm`` (the control, a post-norm model; twin: the same pre-norm: both must stay quiet),
+``healthy`` (HF archs: one healthy arm of 400 steps, which must stay quiet). On HF archs
+``ssl_collapse`` pools each sequence (one embedding per sequence) and ``logit_growth``'s twin is
+the same model at lr 1e-3 (no qk-layernorm switch in those configs).
 
 **Ground truth** (``GroundTruth``: forward hooks and the module's own tensors, never normscope),
 per optimiser step: the loss, its 10-step mean and that mean's rise over its best so far; the
@@ -83,6 +94,18 @@ import lightning as L  # noqa: E402
 from examples.data import stdlib_text  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_only  # noqa: E402
+from zoo_arch import (  # noqa: E402
+    ARCH_NORM,
+    ARCHS,
+    BPE_VOCAB,
+    HF_CURE,
+    Fit,
+    HFNet,
+    applies,
+    bpe_ids,
+    fit_hf,
+    fit_plain,
+)
 from zoo_model import ZooConfig, ZooNet  # noqa: E402
 
 from normscope import DeadDirectionMonitor  # noqa: E402
@@ -128,6 +151,7 @@ class Pathology:
     norms: tuple[str, ...] = ("layernorm", "rmsnorm")
     steps: int = 200
     common: dict[str, Any] = field(default_factory=dict)
+    arms: tuple[str, ...] = ("pathology", "twin")
 
 
 LOSS_JUMP = Threshold(
@@ -225,6 +249,17 @@ PATHOLOGIES: dict[str, Pathology] = {
             None,
             steps=100,
         ),
+        Pathology(
+            "healthy",
+            "lm",
+            "the long healthy run (issue 41): lr 1e-3, warm-up 20; its one arm must stay quiet",
+            {},
+            {},
+            None,
+            steps=400,
+            common={"warmup": 20},
+            arms=("twin",),
+        ),
     ]
 }
 
@@ -243,10 +278,12 @@ def batches(data: torch.Tensor, steps: int, seed: int) -> list[torch.Tensor]:
     return [data[s[:, None] + offs] for s in starts]
 
 
-def noisy_view(x: torch.Tensor, g: torch.Generator, p: float = 0.25) -> torch.Tensor:
-    """A view: each token replaced by a random byte with probability ``p``."""
+def noisy_view(
+    x: torch.Tensor, g: torch.Generator, p: float = 0.25, vocab: int = 256
+) -> torch.Tensor:
+    """A view: each token replaced by a random token (a byte) with probability ``p``."""
     swap = torch.rand(x.shape, generator=g) < p
-    return torch.where(swap, torch.randint(256, x.shape, generator=g), x)
+    return torch.where(swap, torch.randint(vocab, x.shape, generator=g), x)
 
 
 # ----------------------------------------------------------------------------- ground truth
@@ -329,9 +366,17 @@ class GroundTruth:
 
 
 class ZooModule(L.LightningModule):
-    def __init__(self, cfg: ZooConfig, task: str, settings: dict[str, Any], seed: int) -> None:
+    def __init__(
+        self,
+        cfg: ZooConfig,
+        task: str,
+        settings: dict[str, Any],
+        seed: int,
+        net: torch.nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.net = ZooNet(cfg)
+        self.net = net if net is not None else ZooNet(cfg)  # HF archs: zoo_arch.HFNet
+        self.vocab = cfg.vocab
         self.task, self.s = task, settings
         self.gt = GroundTruth(self.net)
         self.per_step: dict[int, dict[str, float]] = {}
@@ -353,21 +398,28 @@ class ZooModule(L.LightningModule):
             out, stream = self.net(x)
         finally:
             self.gt.capture = False
+        if self.s.get("pool"):  # HF archs: one embedding per sequence, its tokens' mean
+            return out, stream, self.projector(out.mean(1))
         return out, stream, self.projector(out)  # one embedding per token
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        step = self.global_step
+        lr = float(self.trainer.optimizers[0].param_groups[0]["lr"])
+        return self.step_loss(batch, self.global_step, lr)
+
+    def step_loss(self, batch: torch.Tensor, step: int, lr: float) -> torch.Tensor:
+        """One optimiser step's loss (any trainer); its ground truth kept in ``per_step``."""
         poison_at = self.s.get("poison_at")
         self.net.poison = poison_at is not None and step == poison_at
         z_std = math.nan
         if self.task == "ssl":
             x = batch[:, :-1]
-            v1, v2 = noisy_view(x, self.noise), noisy_view(x, self.noise)
+            v1 = noisy_view(x, self.noise, vocab=self.vocab)
+            v2 = noisy_view(x, self.noise, vocab=self.vocab)
             out, stream, z1 = self._embed(v1, capture=True)
             _, _, z2 = self._embed(v2, capture=False)
             if self.s["negatives"]:  # the twin: InfoNCE, the other tokens of the batch negatives
-                a = F.normalize(z1.flatten(0, 1), dim=-1)
-                b = F.normalize(z2.flatten(0, 1), dim=-1)
+                a = F.normalize(z1.reshape(-1, z1.shape[-1]), dim=-1)
+                b = F.normalize(z2.reshape(-1, z2.shape[-1]), dim=-1)
                 logits = a @ b.T / 0.1
                 target = torch.arange(len(a))
                 loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
@@ -376,7 +428,7 @@ class ZooModule(L.LightningModule):
                 cos = F.cosine_similarity(p1, z2, dim=-1).mean()
                 loss = -(cos + F.cosine_similarity(p2, z1, dim=-1).mean()) / 2
             with torch.no_grad():
-                zn = F.normalize(z1.detach().flatten(0, 1).double(), dim=-1)
+                zn = F.normalize(z1.detach().reshape(-1, z1.shape[-1]).double(), dim=-1)
                 z_std = float(zn.std(0).mean() * math.sqrt(zn.shape[-1]))
         else:
             x, y = batch[:, :-1], batch[:, 1:]
@@ -402,7 +454,7 @@ class ZooModule(L.LightningModule):
             gt["loss_jump"] = smooth - self.best_loss
         else:
             gt["loss_jump"] = math.nan
-        gt["lr"] = float(self.trainer.optimizers[0].param_groups[0]["lr"])
+        gt["lr"] = lr
         self.per_step[step] = gt
         return loss
 
@@ -473,38 +525,51 @@ def _unclean(v: Any) -> Any:
 
 
 def run_one(
-    p: Pathology, arm: str, norm: str, seed: int, steps: int, data: torch.Tensor
+    p: Pathology,
+    arm: str,
+    norm: str,
+    seed: int,
+    steps: int,
+    data: torch.Tensor,
+    *,
+    arch: str = "zoo",
+    width: int = 64,
+    depth: int = 4,
+    tokenizer: str = "bytes",
+    trainer: str = "lightning",
 ) -> list[dict[str, Any]]:
-    """Train one arm (``"pathology"`` or ``"twin"``) and return its records."""
+    """Train one arm (``"pathology"`` or ``"twin"``) and return its records. ``data``: token
+    ids of ``tokenizer``; ``arch`` other than ``zoo``: a ``zoo_arch.HFNet`` (its own norm);
+    ``trainer``: ``lightning``, ``hf`` or ``plain`` (``zoo_arch``)."""
     settings = {**p.common, **(p.cause if arm == "pathology" else p.cure)}
+    if arch != "zoo":
+        settings.update(HF_CURE.get(p.name, {}) if arm == "twin" else {})
+        settings.update({"pool": True} if p.task == "ssl" else {})
+        norm = ARCH_NORM[arch]
     fields = set(ZooConfig.__dataclass_fields__)
+    vocab = BPE_VOCAB if tokenizer == "bpe" else 256
+    shape = {"width": width, "layers": depth, "heads": max(1, width // 16), "vocab": vocab}
     cfg = replace(
-        ZooConfig(norm=norm, causal=p.task == "lm"),
+        ZooConfig(norm=norm, causal=p.task == "lm", **shape),
         **{k: v for k, v in settings.items() if k in fields},
     )
     torch.manual_seed(seed)
-    module = ZooModule(cfg, p.task, settings, seed)
-    monitor = DeadDirectionMonitor(every_n_steps=EVERY, alerts=(), verbose=False)
-    logger = MemoryLogger()
-    trainer = L.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        logger=logger,
-        callbacks=[monitor],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=EVERY,
-        num_sanity_val_steps=0,
-    )
-    loader = torch.utils.data.DataLoader(batches(data, steps, seed), batch_size=None)
-    t0 = time.perf_counter()
-    trainer.fit(module, loader)
-    wall = time.perf_counter() - t0
+    net = HFNet(arch, width, depth, vocab, BLOCK) if arch != "zoo" else None
+    module = ZooModule(cfg, p.task, settings, seed, net=net)
+    todo = batches(data, steps, seed)
     run = f"{p.name} {arm} {norm} seed {seed}"
-    kernel = next((r for r in monitor.rules if r.name == "layernorm_kernel_lost"), None)
-    sigma_live = monitor.sigma_rule in monitor.rules
+    if (arch, width, depth, tokenizer, trainer) != ("zoo", 64, 4, "bytes", "lightning"):
+        run += f" {arch} w{width} d{depth} {tokenizer} {trainer}"
+    t0 = time.perf_counter()
+    if trainer == "lightning":
+        fit = _fit_lightning(module, todo)
+    elif trainer == "plain":
+        fit = fit_plain(module, todo, EVERY)
+    else:
+        fit = fit_hf(module, todo, EVERY, seed)
+    wall = time.perf_counter() - t0
+    kernel = next((r for r in fit.rules if r.name == "layernorm_kernel_lost"), None)
+    sigma_live = fit.sigma_rule in fit.rules
     meta = {
         "type": "run",
         "run": run,
@@ -513,11 +578,16 @@ def run_one(
         "norm": norm,
         "seed": seed,
         "steps": steps,
+        "arch": arch,
+        "width": width,
+        "depth": depth,
+        "tokenizer": tokenizer,
+        "trainer": trainer,
         "settings": settings,
         "kinds": dict(kernel.kinds) if kernel is not None else {},
-        "sublayers": dict(monitor.sigma_rule.sublayers) if sigma_live else None,
-        "live_rules": [r.name for r in monitor.rules],
-        "alerts_fired": [a.as_dict() for a in monitor.alerts_fired],
+        "sublayers": dict(fit.sigma_rule.sublayers) if sigma_live else None,
+        "live_rules": [r.name for r in fit.rules],
+        "alerts_fired": [a.as_dict() for a in fit.alerts_fired],
         "wall_s": wall,
         "per_step": {
             str(s): {k: _clean(v) for k, v in g.items()} for s, g in module.per_step.items()
@@ -525,11 +595,11 @@ def run_one(
     }
     records = []
     fired = defaultdict(list)
-    for a in monitor.alerts_fired:
+    for a in fit.alerts_fired:
         fired[a.step].append(a.rule)
-    reads = [(s, m) for s, m in logger.calls if any(k.startswith("dd/") for k in m)]
+    reads = [(s, m) for s, m in fit.calls if any(k.startswith("dd/") for k in m)]
     for i, (log_step, metrics) in enumerate(reads, 1):
-        dd = {k: _clean(v) for k, v in metrics.items() if k.startswith("dd")}
+        dd = {k: _clean(_num(v)) for k, v in metrics.items() if k.startswith("dd")}
         read_step = _read_step(log_step)
         records.append(
             {
@@ -539,6 +609,8 @@ def run_one(
                 "arm": arm,
                 "norm": norm,
                 "seed": seed,
+                "arch": arch,
+                "width": width,
                 "read": i,
                 "step": read_step,
                 "log_step": log_step,
@@ -549,6 +621,25 @@ def run_one(
         )
     meta["reads"] = len(records)
     return [meta, *records]
+
+
+def _fit_lightning(module: ZooModule, todo: list[torch.Tensor]) -> Fit:
+    monitor = DeadDirectionMonitor(every_n_steps=EVERY, alerts=(), verbose=False)
+    logger = MemoryLogger()
+    trainer = L.Trainer(
+        max_steps=len(todo),
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=EVERY,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(todo, batch_size=None))
+    return Fit(logger.calls, list(monitor.rules), monitor.sigma_rule, list(monitor.alerts_fired))
 
 
 def _read_step(log_step: int | None) -> int:
@@ -693,7 +784,7 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
     judged = {name: judge_run(meta, reads.get(name, []), rule_set) for name, meta in runs.items()}
     groups: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for name, meta in runs.items():
-        groups[(meta["pathology"], meta["norm"])][meta["arm"]].append((meta, judged[name]))
+        groups[(meta["pathology"], shape_of(meta))][meta["arm"]].append((meta, judged[name]))
     rows = []
     for (pname, norm), arms in sorted(groups.items(), key=lambda kv: (_order(kv[0][0]), kv[0][1])):
         p = PATHOLOGIES[pname]
@@ -731,6 +822,12 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
             twin_alerts += sum(len(j["alerts"]) for _, j in patho)
             twin_reads += sum(j["reads"] for _, j in patho)
         rules = sorted({a["rule"] for _, j in patho for a in j["alerts"]})
+        crossed = [j for _, j in patho if j["gt_cross"] and j["gt_cross"]["read"]]
+        late = [
+            j["first_alert"]["read"] - j["gt_cross"]["read"] for j in crossed if j["first_alert"]
+        ]
+        late = [d for d in late if d > 0]
+        missed = sum(1 for j in crossed if not j["first_alert"])
         last_loss = [_last_loss(m) for m, _ in patho]
         twin_loss = [_last_loss(m) for m, _ in twin]
         rows.append(
@@ -747,6 +844,8 @@ def zoo_table(runs, reads, rule_set: str) -> tuple[list[list[str]], dict[str, An
                 + (f" (GT crossed in {twin_gt})" if twin_gt else ""),
                 f"{_med(last_loss)} vs {_med(twin_loss)}",
                 f"{n}",
+                f"{len(late)}/{n}, by {_med(late)} reads" if p.gt else "-",
+                f"{missed}/{n}" if p.gt else "-",
             ]
         )
     return rows, judged
@@ -765,7 +864,7 @@ def _order(name: str) -> int:
 
 TABLE_HEAD = [
     "pathology",
-    "norm",
+    "norm (arch width x depth, tokenizer, trainer)",
     "ground truth threshold",
     "GT crossed: runs, median read",
     "normscope alert: runs, median first read",
@@ -774,6 +873,8 @@ TABLE_HEAD = [
     "twin false alarms",
     "final loss (10-step mean), pathology vs twin",
     "seeds",
+    "late: alert after the GT read (runs; by, median)",
+    "missed: GT crossed, no alert",
 ]
 
 
@@ -784,7 +885,7 @@ def separation(runs, reads, top: int = 6) -> dict[tuple[str, str], list[tuple]]:
     same way (1.0: every pair; 0.5: chance), with both medians."""
     by: dict[tuple, dict[str, dict[int, list[dict]]]] = defaultdict(lambda: defaultdict(dict))
     for name, meta in runs.items():
-        by[(meta["pathology"], meta["norm"])][meta["arm"]][meta["seed"]] = reads.get(name, [])
+        by[(meta["pathology"], shape_of(meta))][meta["arm"]][meta["seed"]] = reads.get(name, [])
     out = {}
     for (pname, norm), arms in by.items():
         p = PATHOLOGIES[pname]
@@ -958,25 +1059,42 @@ def plan(
     only: list[str] | None,
     norms: list[str] | None,
     seed_offset: int = 0,
+    arch: str = "zoo",
+    steps: int | None = None,
 ):
-    """The runs: every pathology x its norms x seeds x (pathology, twin). ``quick``: one seed,
-    LayerNorm only, few steps (``QUICK_STEPS``). ``seed_offset``: seeds ``seed_offset`` to
-    ``seed_offset + seeds - 1`` (held-out runs)."""
+    """The runs: every pathology that applies to ``arch`` x its norms x seeds x its arms
+    (pathology, twin). ``quick``: one seed, LayerNorm only, few steps (``QUICK_STEPS``).
+    ``seed_offset``: seeds ``seed_offset`` to ``seed_offset + seeds - 1`` (held-out runs).
+    ``steps``: every run this long (default: the pathology's own). A Hugging Face ``arch``
+    has one norm of its own (``zoo_arch.ARCH_NORM``)."""
     n = 1 if quick else seeds
     for seed in range(seed_offset, seed_offset + n):  # seed-major: a sweep cut short has every row
         for p in PATHOLOGIES.values():
-            if only and p.name not in only:
+            if (only and p.name not in only) or not applies(p.name, arch):
                 continue
-            for norm in p.norms:
-                if (norms and norm not in norms) or (quick and norm != "layernorm"):
+            for norm in p.norms if arch == "zoo" else (ARCH_NORM[arch],):
+                if arch == "zoo" and (
+                    (norms and norm not in norms) or (quick and norm != "layernorm")
+                ):
                     continue
-                steps = QUICK_STEPS.get(p.name, 20) if quick else p.steps
-                for arm in ("pathology", "twin"):
-                    yield p, arm, norm, seed, steps
+                n_steps = QUICK_STEPS.get(p.name, 20) if quick else steps or p.steps
+                for arm in p.arms:
+                    yield p, arm, norm, seed, n_steps
 
 
 #: steps per run with ``--quick`` (the rest: 20)
 QUICK_STEPS = {"nonfinite": 52, "ssl_collapse": 22, "ssl_collapse_nobias": 22, "rank_collapse": 12}
+
+
+def shape_of(meta: Mapping[str, Any]) -> str:
+    """A run's shape, the table's second column: its norm; with issue 41's fields, the
+    architecture, width x depth, tokenizer and trainer before it."""
+    if "arch" not in meta:
+        return meta["norm"]
+    return (
+        f"{meta['arch']} {meta.get('width', '?')}x{meta.get('depth', '?')} "
+        f"{meta.get('tokenizer', '?')} {meta.get('trainer', '?')} {meta['norm']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -986,6 +1104,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed-offset", type=int, default=0, help="held-out runs: other seeds")
     ap.add_argument("--only", default=None, help="comma-separated pathologies")
     ap.add_argument("--norms", default=None, help="comma-separated: layernorm,rmsnorm")
+    ap.add_argument("--arch", default="zoo", choices=ARCHS, help="zoo_model or an HF config")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--tokenizer", default=None, choices=("bpe", "bytes"), help="HF: bpe")
+    ap.add_argument("--trainer", default="lightning", choices=("lightning", "hf", "plain"))
+    ap.add_argument("--steps", type=int, default=None, help="every run this long")
     ap.add_argument("--out", default=None, help="JSONL of every read and run")
     ap.add_argument("--judge", nargs="+", default=None, help="re-judge saved JSONL(.gz) files")
     ap.add_argument("--rules", default="today", help=f"rule sets ({', '.join(RULE_SETS)})")
@@ -1012,7 +1136,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     paths = args.judge
     if not paths:
         out = args.out or "pathology_zoo.jsonl"
-        data = _data()
+        tokenizer = args.tokenizer or ("bytes" if args.arch == "zoo" else "bpe")
+        data = bpe_ids() if tokenizer == "bpe" else _data()
+        shape = {"arch": args.arch, "width": args.width, "depth": args.depth}
+        shape.update(tokenizer=tokenizer, trainer=args.trainer)
         todo = list(
             plan(
                 args.quick,
@@ -1020,12 +1147,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 args.only.split(",") if args.only else None,
                 args.norms.split(",") if args.norms else None,
                 args.seed_offset,
+                args.arch,
+                args.steps,
             )
         )
         opener = gzip.open if str(out).endswith(".gz") else open
         with opener(out, "wt") as fh:
             for i, (p, arm, norm, seed, steps) in enumerate(todo, 1):
-                recs = run_one(p, arm, norm, seed, steps, data)
+                recs = run_one(p, arm, norm, seed, steps, data, **shape)
                 fh.writelines(json.dumps(r) + "\n" for r in recs)
                 fh.flush()
                 print(

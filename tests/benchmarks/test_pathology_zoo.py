@@ -1,6 +1,7 @@
 """benchmarks/pathology_zoo.py --quick: a slice of the pathology zoo (issue 32), one seed,
 LayerNorm, a few steps per run, every pathology beside its healthy twin under a real Trainer;
-then ``--judge`` on its reads, with a rule set plugged in from a file."""
+then ``--judge`` on its reads, with a rule set plugged in from a file. And one shape of issue
+41: a Hugging Face Llama (BPE tokens, width 64) under ``transformers.Trainer``."""
 
 from __future__ import annotations
 
@@ -79,7 +80,9 @@ def test_every_run_has_both_arms_and_one_record_per_read(loaded):
             assert "loss" in r["gt"]  # the ground truth at the read's own step
             same = meta["per_step"][str(r["step"])]
             assert all(str(r["gt"][k]) == str(v) for k, v in same.items())
-    assert arms == {name: {"pathology", "twin"} for name in zoo.PATHOLOGIES}
+    assert arms == {
+        name: {"pathology", "twin"} for name in zoo.PATHOLOGIES if zoo.applies(name, "zoo")
+    }
 
 
 def test_ssl_collapse_ground_truth_crosses_in_the_pathology_and_not_in_its_twin(loaded):
@@ -159,3 +162,49 @@ def test_seed_offset_plans_the_held_out_seeds():
     assert [(r[1], r[3]) for r in runs] == [
         (arm, seed) for seed in (5, 6, 7) for arm in ("pathology", "twin")
     ]
+
+
+@pytest.fixture(scope="module")
+def llama_hf(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zoo_hf") / "reads.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--arch", "llama", "--width", "64", "--quick"]
+        + ["--only", "nonfinite", "--trainer", "hf", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _zoo().load([str(out)])
+
+
+def test_a_hugging_face_llama_under_the_hf_trainer_is_judged_against_its_own_ground_truth(
+    llama_hf,
+):
+    runs, reads = llama_hf
+    zoo = _zoo()
+    by_arm = {m["arm"]: m for m in runs.values()}
+    assert set(by_arm) == {"pathology", "twin"}
+    for meta in by_arm.values():
+        shape = [meta[k] for k in ("arch", "width", "depth", "tokenizer", "trainer", "norm")]
+        assert shape == ["llama", 64, 4, "bpe", "hf", "rmsnorm"]
+        assert all(r["arch"] == "llama" and r["width"] == 64 for r in reads[meta["run"]])
+        assert meta["reads"] == len(reads[meta["run"]]) >= 5
+    sick = zoo.judge_run(by_arm["pathology"], reads[by_arm["pathology"]["run"]], "today")
+    twin = zoo.judge_run(by_arm["twin"], reads[by_arm["twin"]["run"]], "today")
+    assert sick["gt_cross"]["step"] == 30 and twin["gt_cross"] is None
+    assert sick["first_alert"]["read"] <= sick["gt_cross"]["read"]
+    assert twin["alerts"] == []
+    rows, _ = zoo.zoo_table(runs, reads, "today")
+    assert rows[0][1] == "llama 64x4 bpe hf rmsnorm" and rows[0][5].startswith("1/1")
+
+
+def test_the_ground_truths_attention_wrapper_sees_the_logits_normscope_reads(llama_hf):
+    # two independent reads of the largest pre-softmax logit: the benchmark's wrapper of HF's
+    # eager attention, and normscope's softmax tap (one window = one forward from read 2 on)
+    runs, reads = llama_hf
+    twin = next(m for m in runs.values() if m["arm"] == "twin")
+    pairs = [(r["metrics"]["dd/attn_logit_max"], r["gt"]["max_logit"]) for r in reads[twin["run"]]]
+    assert len(pairs) >= 5 and all(gt > 0 for _, gt in pairs)
+    for dd, gt in pairs[1:]:
+        assert dd == pytest.approx(gt, rel=1e-5)
