@@ -1091,10 +1091,9 @@ def shape_of(meta: Mapping[str, Any]) -> str:
     architecture, width x depth, tokenizer and trainer before it."""
     if "arch" not in meta:
         return meta["norm"]
-    return (
-        f"{meta['arch']} {meta.get('width', '?')}x{meta.get('depth', '?')} "
-        f"{meta.get('tokenizer', '?')} {meta.get('trainer', '?')} {meta['norm']}"
-    )
+    parts = [meta["arch"], f"{meta.get('width', '?')}x{meta.get('depth', '?')}"]
+    parts += [meta[k] for k in ("tokenizer", "trainer") if meta.get(k)]  # the ViT has neither
+    return " ".join([*parts, meta["norm"]])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
