@@ -60,18 +60,15 @@ for p in (str(ROOT), str(HERE)):
 import lightning as L  # noqa: E402
 import transformers  # noqa: E402
 from pathology_zoo import (  # noqa: E402
-    EVERY,
     PATHOLOGIES,
-    MemoryLogger,
     Pathology,
     _clean,
+    _fit_lightning,
     judge_run,
     load,
     offset_share,
     rankme,
 )
-
-from normscope import DeadDirectionMonitor  # noqa: E402
 
 BATCH, IMAGE, PATCH, CLASSES = 16, 32, 4, 8
 IMAGES = 2  # the generator's version, in every run record
@@ -366,27 +363,12 @@ def run_one(run: Run) -> list[dict[str, Any]]:
     settings = {**p.common, **(p.cause if run.arm == "pathology" else p.cure)}
     torch.manual_seed(run.seed)
     module = VisionModule(run.width, run.depth, p.task, settings, run.seed)
-    monitor = DeadDirectionMonitor(every_n_steps=EVERY, verbose=False)  # default rules, sinks
-    logger = MemoryLogger()
-    trainer = L.Trainer(
-        max_steps=run.steps,
-        accelerator="cpu",
-        devices=1,
-        logger=logger,
-        callbacks=[monitor],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=EVERY,
-        num_sanity_val_steps=0,
-    )
     data = batches(run.steps, run.seed, run.batch)
-    loader = torch.utils.data.DataLoader(data, batch_size=None)
     t0 = time.perf_counter()
-    trainer.fit(module, loader)
+    fit = _fit_lightning(module, data)  # the zoo's Trainer: default rules, every 10 steps
     wall = time.perf_counter() - t0
-    kernel = next((r for r in monitor.rules if r.name == "layernorm_kernel_lost"), None)
-    sigma_live = monitor.sigma_rule in monitor.rules
+    kernel = next((r for r in fit.rules if r.name == "layernorm_kernel_lost"), None)
+    sigma_live = fit.sigma_rule in fit.rules
     shape = {"arch": ARCH, "width": run.width, "depth": run.depth}
     meta = {
         "type": "run",
@@ -402,18 +384,18 @@ def run_one(run: Run) -> list[dict[str, Any]]:
         "settings": settings,
         "task": p.task,
         "kinds": dict(kernel.kinds) if kernel is not None else {},
-        "sublayers": dict(monitor.sigma_rule.sublayers) if sigma_live else None,
-        "live_rules": [r.name for r in monitor.rules],
-        "alerts_fired": [a.as_dict() for a in monitor.alerts_fired],
+        "sublayers": dict(fit.sigma_rule.sublayers) if sigma_live else None,
+        "live_rules": [r.name for r in fit.rules],
+        "alerts_fired": [a.as_dict() for a in fit.alerts_fired],
         "wall_s": wall,
         "per_step": {
             str(s): {k: _clean(v) for k, v in g.items()} for s, g in module.per_step.items()
         },
     }
     fired = defaultdict(list)
-    for a in monitor.alerts_fired:
+    for a in fit.alerts_fired:
         fired[a.step].append(a.rule)
-    reads = [(s, m) for s, m in logger.calls if any(k.startswith("dd/") for k in m)]
+    reads = [(s, m) for s, m in fit.calls if any(k.startswith("dd/") for k in m)]
     records = []
     for i, (log_step, metrics) in enumerate(reads, 1):
         step = -1 if log_step is None else int(log_step) - 1  # the batch the read consumed
