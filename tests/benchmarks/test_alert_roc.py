@@ -12,29 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.bench import bench_module, run_quick
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "alert_roc.py"
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("roc") / "reads.jsonl"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, [json.loads(line) for line in out.read_text().splitlines()], out
+    stdout = run_quick("alert_roc.py", out)
+    return stdout, [json.loads(line) for line in out.read_text().splitlines()], out
 
 
 def _judge(records):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import alert_roc
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return alert_roc.judge(records)
+    return bench_module("alert_roc").judge(records)
 
 
 def test_the_default_rule_is_silent_on_healthy_runs_where_version_1_was_not(quick):

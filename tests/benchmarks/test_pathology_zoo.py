@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.bench import bench_module, run_quick
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pathology_zoo.py"
 
 PLUGIN = """
@@ -31,25 +33,13 @@ def _rows(meta):
 
 
 def _zoo():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import pathology_zoo
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return pathology_zoo
+    return bench_module("pathology_zoo")
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("zoo") / "reads.jsonl"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, out
+    return run_quick("pathology_zoo.py", out), out
 
 
 @pytest.fixture(scope="module")

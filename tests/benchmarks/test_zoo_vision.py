@@ -8,38 +8,24 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.support.bench import BENCH, bench_module, run_quick
+
 SCRIPT = BENCH / "zoo_vision.py"
-
-
-def _module(name: str):
-    sys.path.insert(0, str(BENCH))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("vit") / "reads.jsonl"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_quick("zoo_vision.py", out)
     return out
 
 
 @pytest.fixture(scope="module")
 def loaded(quick):
-    return _module("pathology_zoo").load([str(quick)])
+    return bench_module("pathology_zoo").load([str(quick)])
 
 
 def _arm(loaded, name: str, arm: str):
@@ -48,7 +34,7 @@ def _arm(loaded, name: str, arm: str):
     return (
         meta,
         reads[meta["run"]],
-        _module("pathology_zoo").judge_run(meta, reads[meta["run"]], "today"),
+        bench_module("pathology_zoo").judge_run(meta, reads[meta["run"]], "today"),
     )
 
 
@@ -91,7 +77,7 @@ def test_ssl_pathology_loses_its_spread_and_the_twin_keeps_it(loaded):
 
 def test_todays_rules_replay_the_live_alerts(loaded):
     runs, reads = loaded
-    zoo = _module("pathology_zoo")
+    zoo = bench_module("pathology_zoo")
     for meta in runs.values():
         verdict = zoo.judge_run(meta, reads[meta["run"]], "today")
         by_read = {r["read"]: r["log_step"] for r in reads[meta["run"]]}
@@ -109,5 +95,5 @@ def test_the_zoos_judge_cli_and_the_per_run_table_read_the_records(quick):
     assert zoo.returncode == 0, zoo.stderr[-3000:]
     for name in ("nonfinite", "ssl_collapse"):  # the shape column: arch, width x depth, norm
         assert f"| {name} | vit 64x2 layernorm |" in zoo.stdout
-    rows = {r[0]: r for r in _module("zoo_vision").run_table([str(quick)])}
+    rows = {r[0]: r for r in bench_module("zoo_vision").run_table([str(quick)])}
     assert rows["nonfinite"][6] == "caught" and rows["nonfinite"][9].startswith("0 in")
