@@ -561,12 +561,13 @@ def run_one(
     if (arch, width, depth, tokenizer, trainer) != ("zoo", 64, 4, "bytes", "lightning"):
         run += f" {arch} w{width} d{depth} {tokenizer} {trainer}"
     t0 = time.perf_counter()
+    objective = objective_of(p.name)
     if trainer == "lightning":
-        fit = _fit_lightning(module, todo)
+        fit = _fit_lightning(module, todo, objective)
     elif trainer == "plain":
-        fit = fit_plain(module, todo, EVERY)
+        fit = fit_plain(module, todo, EVERY, objective)
     else:
-        fit = fit_hf(module, todo, EVERY, seed)
+        fit = fit_hf(module, todo, EVERY, seed, objective)
     wall = time.perf_counter() - t0
     kernel = next((r for r in fit.rules if r.name == "layernorm_kernel_lost"), None)
     sigma_live = fit.sigma_rule in fit.rules
@@ -623,8 +624,16 @@ def run_one(
     return [meta, *records]
 
 
-def _fit_lightning(module: ZooModule, todo: list[torch.Tensor]) -> Fit:
-    monitor = DeadDirectionMonitor(every_n_steps=EVERY, alerts=(), verbose=False)
+def objective_of(pathology: str) -> str:
+    """The monitor's ``objective`` for a pathology's runs (both arms): ``"embedding"`` for
+    the self-supervised ones (views made to agree), ``"tokens"`` for the language models."""
+    return "embedding" if PATHOLOGIES[pathology].task == "ssl" else "tokens"
+
+
+def _fit_lightning(module: ZooModule, todo: list[torch.Tensor], objective: str = "tokens") -> Fit:
+    monitor = DeadDirectionMonitor(
+        every_n_steps=EVERY, alerts=(), verbose=False, objective=objective
+    )
     logger = MemoryLogger()
     trainer = L.Trainer(
         max_steps=len(todo),
@@ -666,8 +675,10 @@ def register_rule_set(name: str):
 
 @register_rule_set("today")
 def _today(meta: Mapping[str, Any]) -> list[Any]:
-    """What ``DeadDirectionMonitor()`` runs: sigma_min (none on a post-norm model) and kernel."""
-    return default_dead_direction_rules(meta["kinds"], meta["sublayers"])
+    """What ``DeadDirectionMonitor(objective=...)`` runs (``objective_of`` the pathology)."""
+    return default_dead_direction_rules(
+        meta["kinds"], meta["sublayers"], objective=objective_of(meta["pathology"])
+    )
 
 
 @register_rule_set("before")

@@ -244,14 +244,16 @@ def _optimisers(module: Any) -> tuple[Any, Any]:
     return cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
 
 
-def fit_plain(module: nn.Module, batches: list[torch.Tensor], every: int) -> Fit:
+def fit_plain(
+    module: nn.Module, batches: list[torch.Tensor], every: int, objective: str = "tokens"
+) -> Fit:
     """A plain loop: ``with monitor.step(batch):`` around each optimiser step (docs/integrations.md)."""
     from normscope import DeadDirectionConfig, Monitor
 
     opt, sched = _optimisers(module)
     calls: list[tuple[int | None, dict[str, Any]]] = []
     monitor = Monitor.of(
-        DeadDirectionConfig(),
+        DeadDirectionConfig(objective=objective),
         module,
         every_n_steps=every,
         alerts=(),
@@ -292,13 +294,16 @@ class _Batches(torch.utils.data.Dataset):
         return self.batches[i]
 
 
-def fit_hf(module: nn.Module, batches: list[torch.Tensor], every: int, seed: int) -> Fit:
+def fit_hf(
+    module: nn.Module, batches: list[torch.Tensor], every: int, seed: int, objective: str = "tokens"
+) -> Fit:
     """``transformers.Trainer`` (defaults but: one batch per step in the given order, no saves,
     no reports, the zoo's AdamW and schedule) with ``watch(trainer, every_n_steps=every)``.
     Its default gradient clipping (``max_grad_norm=1.0``) is kept: what people train with."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_callback import PrinterCallback
 
+    from normscope import DeadDirectionConfig
     from normscope.adapters.transformers import watch
 
     opt, sched = _optimisers(module)
@@ -335,7 +340,13 @@ def fit_hf(module: nn.Module, batches: list[torch.Tensor], every: int, seed: int
             trainer.train_dataset
         )
         trainer.remove_callback(PrinterCallback)  # it prints every trainer.log call
-        callback = watch(trainer, every_n_steps=every, alerts=(), verbose=False)
+        callback = watch(
+            trainer,
+            config=DeadDirectionConfig(objective=objective),
+            every_n_steps=every,
+            alerts=(),
+            verbose=False,
+        )
         trainer.train()
     engine = callback.engine
     return Fit(

@@ -365,7 +365,8 @@ def run_one(run: Run) -> list[dict[str, Any]]:
     module = VisionModule(run.width, run.depth, p.task, settings, run.seed)
     data = batches(run.steps, run.seed, run.batch)
     t0 = time.perf_counter()
-    fit = _fit_lightning(module, data)  # the zoo's Trainer: default rules, every 10 steps
+    objective = "embedding" if p.task == "ssl" else "tokens"  # the monitor's, for the collapse rule
+    fit = _fit_lightning(module, data, objective)  # the zoo's Trainer, every 10 steps
     wall = time.perf_counter() - t0
     kernel = next((r for r in fit.rules if r.name == "layernorm_kernel_lost"), None)
     sigma_live = fit.sigma_rule in fit.rules

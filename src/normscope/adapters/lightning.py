@@ -292,7 +292,7 @@ class DeadDirectionMonitor(_LightningMonitor):
             name, async_reads, paging: the engine's (:class:`~normscope.engine.Monitor`).
         layers, residual, rows_per_read, alert_below, tolerance, patience, warmup_reads,
             kernel_residual_alert, null_tol, max_memory, example_forward, seed, sources,
-            max_sources, attention, spectral_every: the family's
+            max_sources, attention, spectral_every, objective: the family's
             (:class:`~normscope.families.DeadDirectionConfig`).
 
     Each argument, its default and its figures: docs/monitors.md.
@@ -340,6 +340,7 @@ class DeadDirectionMonitor(_LightningMonitor):
         attention: str | Sequence[str] | None = "auto",
         spectral_every: int | str = SPECTRAL_EVERY,
         paging: Pager | None = None,
+        objective: str = "tokens",
     ) -> None:
         config = _config(
             lambda: DeadDirectionConfig(
@@ -359,6 +360,7 @@ class DeadDirectionMonitor(_LightningMonitor):
                 max_sources=max_sources,
                 attention=attention,
                 spectral_every=spectral_every,
+                objective=objective,
             )
         )
         self.engine = _config(

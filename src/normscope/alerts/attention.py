@@ -50,8 +50,8 @@ class AttentionLogitRule(EpisodeRule):
 
     def __init__(
         self,
-        max_logit: float = 30.0,
-        rate: float = 0.04,
+        max_logit: float = 45.0,
+        rate: float = 0.1,
         base: float = 10.0,
         extreme: float | None = 1000.0,
         min_steps: int = 8,

@@ -31,6 +31,7 @@ def default_dead_direction_rules(
     nonfinite: bool = True,
     stream: bool = True,
     attention: bool = True,
+    objective: str = "tokens",
 ) -> list[Any]:
     """The default rules of :class:`~normscope.adapters.lightning.DeadDirectionMonitor`, in the
     order they are evaluated: a :class:`SigmaMinRatioRule` (``SigmaMinRatioRule()`` unless
@@ -40,6 +41,8 @@ def default_dead_direction_rules(
     rules :class:`RepresentationCollapseRule`, :class:`GainDriftRule` and
     :class:`ScaleGrowthRule` (none with ``stream=False``; post-norm models included: they read
     no premise), then an :class:`AttentionLogitRule` (none with ``attention=False``).
+    ``objective`` is the collapse rule's (``"tokens"``: a language model; ``"embedding"``:
+    embeddings trained to agree, see :class:`RepresentationCollapseRule`).
 
     ``kinds`` maps norm paths to their declared kind (the kernel rule's ``kinds``);
     ``sublayers`` maps the residual points, in depth order, to their sublayer (the sigma and
@@ -78,7 +81,8 @@ def default_dead_direction_rules(
     if nonfinite:
         rules.append(NonFiniteRule())
     if stream:
-        rules += [RepresentationCollapseRule(), GainDriftRule(), ScaleGrowthRule()]
+        collapse = RepresentationCollapseRule(objective=objective)
+        rules += [collapse, GainDriftRule(), ScaleGrowthRule()]
     if attention:
         rules.append(AttentionLogitRule())
     return rules

@@ -21,8 +21,13 @@ __all__ = [
     "NonFiniteRule",
     "RepresentationCollapseRule",
     "ScaleGrowthRule",
+    "OBJECTIVES",
     "spread_bounds",
 ]
+
+#: what a model is trained to do, for :class:`RepresentationCollapseRule`: ``"tokens"`` (a
+#: language model) or ``"embedding"`` (embeddings made to agree across views)
+OBJECTIVES = ("tokens", "embedding")
 
 
 class NonFiniteRule:
@@ -137,6 +142,17 @@ class RepresentationCollapseRule(EpisodeRule):
         jump_to: a transition from clearly under ``rise_from`` to over this share (with
             confidence), with the rest unstructured and the stream narrowing, fires at once
             (None: only over ``alert_above``).
+        objective: what the model is trained to do. ``"tokens"`` (default: a language
+            model, causal or masked): every row converging on one vector is also a language
+            model's first steps (each position predicts the unigram distribution, then
+            recovers), so the conditions above hold it apart. ``"embedding"`` (pooled or
+            per-row embeddings made to agree across views: self-supervised, contrastive,
+            siamese), where rows converging on one vector is the failure itself: the rule
+            fires on the loss of spread alone -- the spread share confidently under
+            ``1 - jump_to`` after some earlier read of the run clearly over
+            ``1 - rise_from``, or under ``1 - alert_above`` for ``patience`` reads -- with no
+            RankMe or profile condition, so it reads the cheap tier only (``tier`` is
+            ``"cheap"``: no wait for a spectral read).
 
     Example::
 
@@ -156,6 +172,16 @@ class RepresentationCollapseRule(EpisodeRule):
         []
         >>> [a.rule for a in rule.evaluate({**narrowing, "dd/final_out_offset_share": 0.986}, 10)]
         ['representation_collapse']
+        >>> rule = RepresentationCollapseRule(objective="embedding")  # no RankMe, no profile
+        >>> rule.tier
+        'cheap'
+        >>> first = {"dd/ln_f/rankme": 40.0, "dd/ln_f/n_rows": 1024.0,
+        ...          "dd/final_out_offset_share": 0.3}
+        >>> rule.evaluate(first, 2)  # clearly spread: the run's own reference
+        []
+        >>> cheap = {"dd/ln_f/n_rows": 1024.0, "dd/final_out_offset_share": 0.97}
+        >>> [a.rule for a in rule.evaluate(cheap, 10)]  # a cheap read: no RankMe needed
+        ['representation_collapse']
     """
 
     name = "representation_collapse"
@@ -172,8 +198,14 @@ class RepresentationCollapseRule(EpisodeRule):
         rise_from: float | None = 0.8,
         narrower_below: float | None = 1.0,
         jump_to: float | None = 0.95,
+        objective: str = "tokens",
     ) -> None:
         super().__init__(patience)
+        if objective not in OBJECTIVES:
+            raise ValueError(
+                f"RepresentationCollapseRule: objective must be one of {OBJECTIVES}, got "
+                f"{objective!r}"
+            )
         if not 0 < alert_above < 1 or not 0 <= min_spread_rank <= 1:
             raise ValueError(
                 "RepresentationCollapseRule: alert_above must be in (0, 1) and min_spread_rank "
@@ -203,13 +235,25 @@ class RepresentationCollapseRule(EpisodeRule):
         self.rise_from = None if rise_from is None else float(rise_from)
         self.narrower_below = None if narrower_below is None else float(narrower_below)
         self.jump_to = None if jump_to is None else float(jump_to)
+        self.objective = objective
+        if objective == "embedding":
+            # reads final_out_offset_share and n_rows only: cheap keys (docs/costs.md, "Tiers")
+            self.tier = "cheap"
         #: whether the last read with a share was clearly under ``rise_from`` (None: no read yet)
         self.was_low: bool | None = None
+        #: ``objective="embedding"``: the step of the run's first read clearly under
+        #: ``rise_from`` and its spread share (the reference a loss of spread is read against)
+        self.spread_seen: tuple[int, float] | None = None
+        #: the final norm's path, from the last read that named it (``dd/<path>/rankme``)
+        self.final_norm: str | None = None
 
     def check(self, metrics: Mapping[str, float]) -> tuple[bool | None, Alert | None]:
         key = "dd/final_out_offset_share"
         share = metrics.get(key, math.nan)
-        final = _final_norm(metrics)
+        # the final norm: named by its RankMe (a spectral key; the first read always has it),
+        # remembered for the cheap reads between spectral ones
+        final = _final_norm(metrics) or self.final_norm
+        self.final_norm = final
         rows = metrics.get(f"dd/{final}/n_rows", math.nan) if final else math.nan
         per_dim = metrics.get("dd/final_rows_per_dim", math.nan)
         spread_rank = metrics.get("dd/final_rankme_centred", math.nan)
@@ -217,6 +261,8 @@ class RepresentationCollapseRule(EpisodeRule):
             return None, None
         spread = 1.0 - share
         lo, hi = spread_bounds(spread, rows, self.z)
+        if self.objective == "embedding":
+            return self._embedding(share, spread, lo, hi, rows, final)
         was_low = self.was_low
         # this read, for the next one: clearly under rise_from (the spread's interval above 1 - it)
         self.was_low = self.rise_from is not None and lo > 1.0 - self.rise_from
@@ -269,13 +315,58 @@ class RepresentationCollapseRule(EpisodeRule):
             remedy=self.remedy,
         )
 
+    def _embedding(
+        self, share: float, spread: float, lo: float, hi: float, rows: float, final: str | None
+    ) -> tuple[bool | None, Alert | None]:
+        """``objective="embedding"``: a loss of spread against the run's own reads, no
+        RankMe or profile condition (an embedding made to agree across views has no unigram
+        phase to hold apart)."""
+        seen = self.spread_seen
+        if seen is None and self.rise_from is not None and lo > 1.0 - self.rise_from:
+            self.spread_seen = (self.step, spread)  # the reference: clearly spread
+        limit = 1.0 - self.alert_above
+        jump = seen is not None and self.jump_to is not None and hi < 1.0 - self.jump_to
+        if hi < limit and not jump:
+            line, how = self.alert_above, ""  # over the line: patience reads in a row
+        elif jump:
+            assert seen is not None
+            line = self.jump_to
+            how = f", down from {seen[1]:.1%} at step {seen[0]}"
+            self.count = max(self.count, self.patience - 1)  # the loss itself: one read
+        elif spread >= limit and not (self.jump_to is not None and spread < 1.0 - self.jump_to):
+            return False, None
+        else:
+            return None, None  # near a line, but the rows cannot tell which side
+        return True, Alert(
+            self.name,
+            "dd/final_out_offset_share",
+            self.step,
+            float(share),
+            float(line),
+            f"representation collapse at step {self.step}: the final norm's output rows are one "
+            f"shared vector up to {spread:.2%} of their energy (at most {hi:.2%} from "
+            f"{rows:.0f} rows; offset share {share:.4f} > {line:g}{how}): an embedding "
+            "trained to agree has lost its spread",
+            point=final,
+            remedy=self.remedy,
+        )
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "was_low": self.was_low}
+        seen = None if self.spread_seen is None else list(self.spread_seen)
+        return {
+            **super().state_dict(),
+            "was_low": self.was_low,
+            "spread_seen": seen,
+            "final_norm": self.final_norm,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         was_low = state.get("was_low")
         self.was_low = None if was_low is None else bool(was_low)
+        seen = state.get("spread_seen")
+        self.spread_seen = None if seen is None else (int(seen[0]), float(seen[1]))
+        self.final_norm = state.get("final_norm")
 
 
 class GainDriftRule(EpisodeRule):

@@ -15,6 +15,7 @@ from torch import nn
 
 from normscope._common import ConfigurationError
 from normscope.alerts import SigmaMinRatioRule
+from normscope.alerts.stream import OBJECTIVES
 from normscope.families.checks import check_layers
 from normscope.families.dead_direction.family import DeadDirectionFamily
 from normscope.families.dead_direction.report import KIND
@@ -78,6 +79,11 @@ class DeadDirectionConfig:
             every this many reads; the others read the cheap tier only (docs/costs.md,
             "Tiers"). 1: every read is a full read; ``"auto"`` (default): 1 up to width 128,
             5 above (:meth:`spectral_every_at`).
+        objective: what the model is trained to do, for the collapse rule: ``"tokens"``
+            (default: a language model, causal or masked) or ``"embedding"`` (embeddings
+            trained to agree across views: self-supervised, contrastive, siamese), where
+            rows converging on one vector is the failure itself
+            (:class:`~normscope.alerts.RepresentationCollapseRule`).
 
     Each is described in docs/monitors.md; a bad one raises ``ConfigurationError`` naming it.
 
@@ -107,6 +113,7 @@ class DeadDirectionConfig:
     max_sources: int = 8
     attention: str | Sequence[str] | None = "auto"
     spectral_every: int | str = SPECTRAL_EVERY
+    objective: str = "tokens"
 
     def __post_init__(self) -> None:
         layers = check_layers(self.layers, KIND)
@@ -150,6 +157,9 @@ class DeadDirectionConfig:
             self._refuse(
                 f"spectral_every must be an int >= 1 or 'auto', got {self.spectral_every!r}"
             )
+
+        if self.objective not in OBJECTIVES:
+            self._refuse(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
 
     @staticmethod
     def _refuse(why: str) -> None:

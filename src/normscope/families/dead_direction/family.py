@@ -85,6 +85,7 @@ class DeadDirectionFamily:
             sigma_rule=self.sigma_rule,
             kernel_rule=self.kernel_rule,
             kernel=self.kernel_rule is not None,
+            objective=config.objective,
         )
         self.source_rule: SourceCollapseRule | None = next(
             (r for r in self.rules if isinstance(r, SourceCollapseRule)), None
