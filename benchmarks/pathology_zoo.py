@@ -109,7 +109,11 @@ from zoo_arch import (  # noqa: E402
 from zoo_model import ZooConfig, ZooNet  # noqa: E402
 
 from normscope import DeadDirectionMonitor  # noqa: E402
-from normscope.alerts import SigmaMinRatioRule, default_dead_direction_rules  # noqa: E402
+from normscope.alerts import (  # noqa: E402
+    AttentionLogitRule,
+    SigmaMinRatioRule,
+    default_dead_direction_rules,
+)
 
 EVERY = 10
 BATCH, BLOCK = 16, 32
@@ -679,6 +683,17 @@ def _today(meta: Mapping[str, Any]) -> list[Any]:
     return default_dead_direction_rules(
         meta["kinds"], meta["sublayers"], objective=objective_of(meta["pathology"])
     )
+
+
+@register_rule_set("frozen41")
+def _frozen41(meta: Mapping[str, Any]) -> list[Any]:
+    """The rules issue 41's held-out runs were first judged by (docs/alerts.md,
+    "Pre-registration"): no ``objective`` (every run read as a language model) and
+    ``AttentionLogitRule(max_logit=30, rate=0.04)``."""
+    rules = default_dead_direction_rules(meta["kinds"], meta["sublayers"])
+    return [
+        AttentionLogitRule(30.0, 0.04) if isinstance(r, AttentionLogitRule) else r for r in rules
+    ]
 
 
 @register_rule_set("before")

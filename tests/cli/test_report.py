@@ -302,3 +302,22 @@ def test_hugging_face_trainer_run_is_reported_at_its_global_steps(
     table = [line for line in md.splitlines() if line.startswith("| step")]
     assert table == ["| step | sigma_min_ratio_min | sigma_min_step_min | worst point | "
                      "gamma_alignment_min | alert |"]  # fmt: skip
+
+
+def test_a_collapse_is_re_evaluated_under_the_runs_objective() -> None:
+    """``normscope report --objective embedding``: the offset share of an embedding's final norm
+    jumping from 0.14 to 0.997 in one read (the held-out Llama's self-supervised collapse) is
+    the collapse; under the default objective (a language model, whose first steps look the
+    same) the stream keeps its width and nothing fires."""
+
+    def read(share: float) -> dict[str, float]:
+        return {
+            "dd/ln_f/n_rows": 2048.0, "dd/ln_f/rankme": 9.0, "dd/final_rows_per_dim": 8.0,
+            "dd/final_out_offset_share": share, "dd/final_rankme_centred": 137.0,
+            "dd/sigma_min_ratio_min": 1.42,
+        }  # fmt: skip
+
+    reads = {1.0: read(0.1414), 9.0: read(0.9967), 19.0: read(0.9992)}
+    assert reevaluate_alerts(reads, ["ln_f"], []) == []
+    alerts = reevaluate_alerts(reads, ["ln_f"], [], objective="embedding")
+    assert [(a["step"], a["title"]) for a in alerts] == [(9.0, "normscope: representation_collapse")]

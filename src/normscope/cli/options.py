@@ -140,6 +140,14 @@ def report_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="print report.json to stdout, no table")
     p.add_argument(
+        "--objective",
+        choices=("tokens", "embedding"),
+        default="tokens",
+        help="what the run trained, for the re-evaluated collapse rule (as "
+        "DeadDirectionMonitor(objective=...)): tokens (a language model, default) or embedding "
+        "(embeddings made to agree across views: self-supervised, contrastive)",
+    )
+    p.add_argument(
         "--name",
         default=None,
         metavar="NAME",

@@ -250,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
             f"{log.key_prefix!r} ({log.key_prefix}dd/...) and are read without it; steps are "
             "the Trainer's global step"
         )
-    alerts, said = run_alerts(log.source, log.alerts, reads, norms, points, name)
+    objective = getattr(args, "objective", "tokens")
+    alerts, said = run_alerts(log.source, log.alerts, reads, norms, points, name, objective)
     notes.append(said)
     if points and run_plots.logged_depths(points, reads) is None:
         notes.append("depth order of the residual points inferred from their module paths")

@@ -74,9 +74,10 @@ def is_post_norm(points: Sequence[str]) -> bool:
 
 
 def reevaluate_alerts(
-    reads: Reads, norms: Sequence[str], points: Sequence[str]
+    reads: Reads, norms: Sequence[str], points: Sequence[str], objective: str = "tokens"
 ) -> list[dict[str, Any]]:
-    """The monitor's default rules over the logged reads, in step order.
+    """The monitor's default rules over the logged reads, in step order (``objective``: the
+    collapse rule's, as ``DeadDirectionMonitor(objective=...)``).
 
     Post-norm logs (every point after ``p_0`` named ``<block>.output``) get no sigma_min rule,
     as in the monitor. Returns ``{"step", "title", "text", "level", "origin"}`` dicts."""
@@ -85,6 +86,7 @@ def reevaluate_alerts(
         declared_kinds(norms, reads),
         None if post_norm else {p: None for p in points},  # depth order for the upstream rule
         sources=bool(log_sources(reads)),
+        objective=objective,
     )
     out = []
     for step, values in reads.items():
@@ -107,13 +109,13 @@ def reevaluate_alerts(
 
 
 def logged_key_alerts(
-    reads: Reads, norms: Sequence[str], points: Sequence[str]
+    reads: Reads, norms: Sequence[str], points: Sequence[str], objective: str = "tokens"
 ) -> list[dict[str, Any]]:
     """The alerts a run logged as ``dd/alert/<rule>`` keys (the Hugging Face adapter's), one per
     rule and read; the text is the re-evaluated rule's at that read when it names the same rule
     (its point and value), else the key itself."""
     again: dict[tuple[float, str], str] = {}
-    for a in reevaluate_alerts(reads, norms, points):
+    for a in reevaluate_alerts(reads, norms, points, objective):
         again.setdefault((a["step"], a["title"]), a["text"])
     out = []
     for step, values in reads.items():
@@ -143,6 +145,7 @@ def run_alerts(
     norms: Sequence[str],
     points: Sequence[str],
     name: str | None = None,
+    objective: str = "tokens",
 ) -> tuple[list[dict[str, Any]], str]:
     """The run's alerts and a note that says where they come from: the W&B alert records of
     the monitor ``name``, else its logged ``dd/alert/<rule>`` keys, else the default rules
@@ -151,7 +154,7 @@ def run_alerts(
     if mine:
         return mine, f"alerts: the {len(mine)} alert record(s) the run logged (run.alert)"
     if any(k.startswith(_ALERT_KEY) for values in reads.values() for k in values):
-        keyed = logged_key_alerts(reads, norms, points)
+        keyed = logged_key_alerts(reads, norms, points, objective)
         return keyed, (
             f"alerts: the {len(keyed)} alert(s) the run logged as dd/alert/<rule> keys (the "
             "Hugging Face callback's); the text is the default rules' at that read"
@@ -161,7 +164,7 @@ def run_alerts(
         if source == "wandb"
         else f"{source} log holds no alert records"
     )
-    alerts = reevaluate_alerts(reads, norms, points)
+    alerts = reevaluate_alerts(reads, norms, points, objective)
     return alerts, (
         f"alerts: the {what}; the monitor's default rules (SigmaMinRatioRule(), "
         f"KernelLossRule({KERNEL_ALERT_LABEL})) were re-evaluated over the logged reads"
