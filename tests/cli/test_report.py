@@ -320,4 +320,6 @@ def test_a_collapse_is_re_evaluated_under_the_runs_objective() -> None:
     reads = {1.0: read(0.1414), 9.0: read(0.9967), 19.0: read(0.9992)}
     assert reevaluate_alerts(reads, ["ln_f"], []) == []
     alerts = reevaluate_alerts(reads, ["ln_f"], [], objective="embedding")
-    assert [(a["step"], a["title"]) for a in alerts] == [(9.0, "normscope: representation_collapse")]
+    assert [(a["step"], a["title"]) for a in alerts] == [
+        (9.0, "normscope: representation_collapse")
+    ]
