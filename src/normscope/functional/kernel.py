@@ -9,12 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from normscope.functional.covariance import (
-    host_array,
-    on_device,
-    symmetric_eigh,
-    symmetric_eigvalsh,
-)
+from normscope.functional.covariance import host_array, on_device
+from normscope.functional.eigh import symmetric_eigh, symmetric_eigvalsh
 from normscope.functional.gamma import (
     GammaRead,
     as_float64,
