@@ -52,12 +52,16 @@ def test_fit_logs_dd_keys_on_schedule(tmp_path):
     assert not monitor.alerts_fired
 
 
-def test_a_tiered_fit_reads_kernel_residual_on_spectral_reads_only(tmp_path):
+@pytest.mark.parametrize("async_reads", [False, True], ids=["sync", "async"])
+def test_a_tiered_fit_reads_kernel_residual_on_spectral_reads_only(tmp_path, async_reads):
     """spectral_every=2: the spectral keys (kernel_residual among them since cheap windows fold
     the diagonals only) are logged at every second read; the cheap keys at every read;
-    callback_metrics hold a spectral key's last value; nothing escalates."""
+    callback_metrics hold a spectral key's last value; nothing escalates. Asynchronous reads
+    (the window swapped out, the next one folded meanwhile) keep the same schedule."""
     torch.manual_seed(0)
-    monitor = DeadDirectionMonitor(every_n_steps=1, spectral_every=2, verbose=False)
+    monitor = DeadDirectionMonitor(
+        every_n_steps=1, spectral_every=2, async_reads=async_reads, verbose=False
+    )
     trainer = fit(tmp_path, LitTiny(), monitor, steps=9)
     rows = read_csv(trainer)
     reads = [int(r["step"]) for r in rows_with(rows, "dd/rows_rejected")]
