@@ -3,9 +3,10 @@
 Three copies of ``examples/nanogpt.py``'s GPT from the same weights, trained step-interleaved
 in one process on one fixed batch (32 x 64 bytes): ``none`` (no monitor), ``spectral``
 (``Monitor.of(DeadDirectionConfig(spectral_every=1), every_n_steps=1)``: every step a full
-read) and ``cheap`` (``spectral_every`` 10^6: every read after the first cheap). The median
-step of each against ``none``'s, in plain steps, is what a full and a cheap read add; their
-difference is the spectral tier (docs/costs.md, "Tiers").
+read) and ``cheap`` (``spectral_every`` 10^6: every read after the first cheap, its window
+folded to the diagonals). The median step of each against ``none``'s, in plain steps, is what
+a full and a cheap read add; their difference is the spectral tier with the ``d^2`` fold only
+a spectral window pays (docs/costs.md, "Tiers").
 
     python benchmarks/tier_split.py --width 128 256 --steps 12
 """

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from normscope import DeadDirectionMonitor
-from tests.support.fits import fit, read_csv, rows_with, wait_for_summary
+from tests.support.fits import fit, logged_steps, read_csv, rows_with, wait_for_summary
 from tests.support.tiny_models import LitTiny, NoNormModule, token_loader
 
 
@@ -50,6 +50,34 @@ def test_fit_logs_dd_keys_on_schedule(tmp_path):
     assert monitor.reads == 3
     assert float(last["dd/profile_points"]) == 5  # p_0 .. p_4 of 2 pre-norm blocks
     assert not monitor.alerts_fired
+
+
+@pytest.mark.parametrize("async_reads", [False, True], ids=["sync", "async"])
+def test_a_tiered_fit_reads_kernel_residual_on_spectral_reads_only(tmp_path, async_reads):
+    """spectral_every=2: the spectral keys (kernel_residual among them since cheap windows fold
+    the diagonals only) are logged at every second read; the cheap keys at every read;
+    callback_metrics hold a spectral key's last value; nothing escalates. Asynchronous reads
+    (the window swapped out, the next one folded meanwhile) keep the same schedule."""
+    torch.manual_seed(0)
+    monitor = DeadDirectionMonitor(
+        every_n_steps=1, spectral_every=2, async_reads=async_reads, verbose=False
+    )
+    trainer = fit(tmp_path, LitTiny(), monitor, steps=9)
+    rows = read_csv(trainer)
+    reads = [int(r["step"]) for r in rows_with(rows, "dd/rows_rejected")]
+    spectral = [int(r["step"]) for r in rows_with(rows, "dd/sigma_min_ratio_min")]
+    assert len(reads) == monitor.reads >= 7 and spectral == reads[::2]
+    for layer in ("model.h.0.ln_1", "model.ln_f"):
+        assert logged_steps(rows, f"dd/{layer}/kernel_residual") == spectral
+        assert logged_steps(rows, f"dd/{layer}/out_offset_share") == reads
+    last_spectral = rows_with(rows, "dd/model.ln_f/kernel_residual")[-1]
+    assert float(last_spectral["dd/model.ln_f/kernel_residual"]) <= 1e-10  # the exact kernel
+    assert reads[-1] not in spectral  # the last read was cheap: the value is held
+    held = float(trainer.callback_metrics["dd/model.ln_f/kernel_residual"])
+    # callback_metrics are float32 tensors: the held value to float32's precision
+    assert held == pytest.approx(float(last_spectral["dd/model.ln_f/kernel_residual"]), rel=1e-6)
+    assert not any("escalat" in k for r in rows for k in r)
+    assert not hasattr(monitor.engine.family.tracker, "escalated")
 
 
 def test_rmsnorm_model_is_classified(tmp_path):

@@ -510,3 +510,128 @@ def test_counts_reach_the_host_once_and_follow_the_state():
     assert (a.count, a.rows_rejected) == (0, 0)
     a.load_state_dict(state)
     assert a.count == 6
+
+
+# ------------------------------------------------------------- the diagonal-only mode
+# Tolerance 1e-12 relative: the diagonal is the same centred sum as the full fold's, summed in
+# another order (a column sum of squares against a GEMM's blocks): a few ulps times sqrt(N),
+# against numpy's two-pass variance likewise; a raw-sum variance at these offsets (1e4, spread
+# ~1) would miss it by about eight orders of magnitude (test_large_offset_is_exact...).
+
+
+def _with_bad_rows(part: np.ndarray, seed: int) -> np.ndarray:
+    rows = part.copy()
+    rng = np.random.default_rng(seed)
+    bad = rng.choice(len(rows), 5, replace=False)
+    rows[bad[:3], rng.integers(0, rows.shape[1], 3)] = math.nan
+    rows[bad[3:], 0] = math.inf
+    return rows
+
+
+def test_diagonal_mode_equals_numpy_over_updates_and_merges():
+    d = 40
+    parts = [_with_bad_rows(offset_rows(n, d, seed=n), n) for n in (300, 129, 517, 64)]
+    parts[2:] = [p.astype(np.float32) for p in parts[2:]]  # float32 rows: folded in float64
+    kept = np.concatenate([p[np.isfinite(p).all(1)].astype(np.float64) for p in parts])
+    a, b = StreamingCovariance(d, full=False), StreamingCovariance(d, full=False)
+    for part in parts[:2]:
+        a.update(torch.from_numpy(part))
+    for part in parts[2:]:
+        b.update(torch.from_numpy(part))
+    a.merge_state(b)
+    assert (a.count, a.rows_rejected) == (len(kept), 20)
+    assert a.comoment_diagonal().dtype == torch.float64 and a.comoment_diagonal().shape == (d,)
+    variance = (a.comoment_diagonal() / a.count).numpy()
+    np.testing.assert_allclose(variance, kept.var(0), rtol=1e-12)
+    np.testing.assert_allclose(a.mean.numpy(), kept.mean(0), rtol=1e-14)
+    # the same rows folded full: the same diagonal, mean and counts
+    full = StreamingCovariance(d)
+    for part in parts:
+        full.update(torch.from_numpy(part))
+    np.testing.assert_allclose(
+        full.comoment_diagonal().numpy(), a.comoment_diagonal().numpy(), rtol=1e-12
+    )
+    assert torch.equal(full.comoment_diagonal(), full.comoment.diagonal())
+    # a whole co-moment merges into a diagonal state by its diagonal; never the reverse
+    c = StreamingCovariance(d, full=False)
+    c.merge_state(full)
+    np.testing.assert_allclose(c.comoment_diagonal().numpy(), variance * len(kept), rtol=1e-12)
+    with pytest.raises(ValueError, match="diagonal-only"):
+        StreamingCovariance(d).merge_state(a)
+
+
+def test_full_matrix_reads_raise_on_a_diagonal_window():
+    acc = StreamingCovariance(6, full=False)
+    acc.update(torch.randn(20, 6))
+    for read in (lambda: acc.comoment, acc.covariance, acc.second_moment, acc.compute):
+        with pytest.raises(RuntimeError, match="diagonal only"):
+            read()
+    assert acc.count == 20 and acc.mean.shape == (6,) and acc.memory_bytes() == 8 * 36
+    # a state dict keeps the mode: a full accumulator loads a diagonal window as one
+    loaded = StreamingCovariance(6)
+    loaded.load_state_dict(acc.state_dict())
+    assert not loaded.full and loaded.count == 20
+    assert torch.equal(loaded.comoment_diagonal(), acc.comoment_diagonal())
+    # set_full: a change of mode empties the window; the same mode keeps it
+    acc.set_full(False)
+    assert acc.count == 20
+    acc.set_full(True)
+    assert acc.count == 0 and acc.comoment.shape == (6, 6)
+
+
+def test_a_diagonal_window_gives_the_full_windows_offset_share_and_rms():
+    from normscope.functional import stream_scales
+
+    d = 64
+    rows = torch.from_numpy(offset_rows(8 * d, d, seed=3, offset=30.0))
+    accs = [
+        StreamingCovariance(d, full=False),
+        StreamingCovariance(d, fold="gemm"),
+        StreamingCovariance(d, fold="panels"),
+    ]
+    for acc in accs:
+        acc.update(rows)
+    shares, rms = stream_scales(
+        [a.mean for a in accs], [a.comoment_diagonal() / a.count for a in accs], [8 * d] * 3
+    )
+    for got in (shares, rms):
+        assert all(math.isclose(v, got[0], rel_tol=1e-12) for v in got), got
+
+
+def _reduce_diagonal_worker(rank: int, world: int, port: int, parts: list, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        acc = StreamingCovariance(parts[rank].shape[1], full=False)
+        acc.update(torch.from_numpy(parts[rank]))
+        sizes: list[int] = []
+        all_reduce = dist.all_reduce
+
+        def recorded(t: torch.Tensor, *args, **kwargs):
+            sizes.append(t.numel())
+            return all_reduce(t, *args, **kwargs)
+
+        with mock.patch.object(dist, "all_reduce", recorded):
+            acc.reduce_()
+        torch.save({"state": acc.state_dict(), "sizes": sizes}, f"{out}/diag{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_reduce_of_diagonal_windows_sends_the_diagonal_only(tmp_path):
+    d = 24
+    parts = [_with_bad_rows(offset_rows(n, d, seed=20 + n, offset=1e4), n) for n in (700, 300)]
+    args = (2, _free_port(), parts, str(tmp_path))
+    mp.spawn(_reduce_diagonal_worker, args=args, nprocs=2, join=True)
+    union = np.concatenate(parts)
+    union = union[np.isfinite(union).all(1)]
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"diag{rank}.pt", weights_only=True)
+        acc = StreamingCovariance(d)
+        acc.load_state_dict(saved["state"])
+        assert not acc.full and (acc.count, acc.rows_rejected) == (len(union), 10)
+        variance = (acc.comoment_diagonal() / acc.count).numpy()
+        np.testing.assert_allclose(variance, union.var(0), rtol=1e-12)
+        np.testing.assert_allclose(acc.mean.numpy(), union.mean(0), rtol=1e-14)
+        assert saved["sizes"] == [d + 2, d]  # [n, n mu, rejected], then diag M: no d x d

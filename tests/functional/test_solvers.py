@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import normscope.functional.solvers as solvers
 from normscope.functional import StreamingCovariance, kernel_read, sigma_min, sigma_min_profile
-from normscope.functional.covariance import symmetric_eigh, symmetric_eigvalsh
+from normscope.functional.eigh import symmetric_eigh, symmetric_eigvalsh
 from normscope.functional.gamma import gamma_read, predicted_kernel
 from normscope.functional.kernel import _restricted_floor, secular_floor
 from normscope.functional.solvers import ShiftedCholesky, bottom_eigh, lambda_max

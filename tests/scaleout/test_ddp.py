@@ -30,6 +30,34 @@ def test_reads_equal_the_single_process_reads_on_the_union_of_rows(distributed_r
     assert all(math.isfinite(r["metrics"]["dd/attn_logit_max"]) for r in reads)
 
 
+def test_a_cheap_window_folds_diagonals_on_every_rank_and_reads_the_union(distributed_run):
+    """``spectral_every=2`` under DDP: both ranks fold each window in the mode of its read (the
+    schedule is a count, the same on every rank); the cheap read (step 3) holds the cheap keys
+    only, and they equal the single-process full read's on the union of the rows, to 1e-10."""
+    from normscope.families.dead_direction.report import cheap_key
+
+    ranks = [distributed_run["results"]["tiers", r] for r in (0, 1)]
+    assert all(r["failure"] is None for r in ranks)
+    reads = ranks[0]["reads"]
+    assert [r["step"] for r in reads] == [1, 3, 6]
+    for rank in ranks:
+        assert [r["full"] for r in rank["reads"]] == [True, False, True]
+        assert [r["metrics"] for r in rank["reads"]] == [r["metrics"] for r in reads]
+    module = LitDict(lr=0.0)
+    module.load_state_dict(torch.load(distributed_run["out"] / "tiers_weights.pt"))
+    for read, want in zip(reads, single_process_reads(module, reads)):
+        got = floats(read["metrics"])
+        if not read["full"]:
+            want = {k: v for k, v in want.items() if cheap_key(k)}
+            assert "dd/sigma_min_ratio_min" not in got
+        assert {k for k in got if "rms_growth" not in k} == {
+            k for k in want if "rms_growth" not in k
+        }
+        for key, value in want.items():
+            if "rms_growth" not in key:
+                assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-10), key
+
+
 def test_a_rank_with_only_padding_in_a_window_neither_hangs_nor_counts(distributed_run):
     """Rank 1's batch of step 0 is all padding (``attention_mask`` zeros): it folds no row,
     takes part in every collective, and the read holds rank 0's rows alone."""

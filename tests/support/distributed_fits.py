@@ -12,6 +12,8 @@ the test can compute the single-process reference (``expected.py``) on the same 
 Fit ``stop`` (DDP): a cancelling MLP branch switched on at step 3 on rank 1 only,
 ``stop_on_alert``, a CSV and a W&B logger.
 
+Fit ``tiers``: ``exact`` at ``spectral_every=2`` (the cheap read's window folds diagonals).
+
 Fit ``fsdp``: FSDP2 through Lightning's ``ModelParallelStrategy``; the model is built *and*
 sharded with ``fully_shard`` in ``configure_model`` (so the monitor finds its layers at
 ``on_fit_start``); learning rate 0 and the dict data of ``exact``. Rank 0 saves the full weights.
@@ -151,6 +153,33 @@ def fit_exact(out: Path, async_reads: bool = False) -> dict[str, Any]:
         "log_dir": t.logger.log_dir,
         "failure": monitor.failure,
     }
+
+
+def fit_tiers(out: Path) -> dict[str, Any]:
+    """``exact``'s data and schedule at ``spectral_every=2``: the reads of steps 1 and 6 are
+    spectral, step 3's cheap (its window folded the diagonals only); no stop."""
+    L.seed_everything(0, verbose=False)
+    reads: list[dict[str, Any]] = []
+
+    def keep(metrics, step):
+        full = monitor.tracker.fold_full  # the mode the read's window folded in, this rank
+        metrics = {k: _num(v) for k, v in metrics.items()}
+        reads.append({"step": step, "full": full, "metrics": metrics})
+
+    monitor = DeadDirectionMonitor(
+        **SEPARATE_DISCOVERY,
+        every_n_steps=EXACT_EVERY,
+        rows_per_read="all",
+        spectral_every=2,
+        rules=[CallableRule("record", keep, tier="cheap")],
+        verbose=False,
+    )
+    module = LitDict(lr=0.0)
+    t = trainer(monitor, EXACT_STOP, [], use_distributed_sampler=False)
+    t.fit(module)
+    if t.is_global_zero:
+        torch.save(module.state_dict(), out / "tiers_weights.pt")
+    return {"reads": reads, "failure": monitor.failure}
 
 
 def _jobs(tracker: DeadDirectionTracker) -> int:
@@ -422,6 +451,7 @@ FITS = {
     "fail_async": fit_fail_async,
     "sm": fit_sm,
     "sources": fit_sources,
+    "tiers": fit_tiers,
 }
 
 

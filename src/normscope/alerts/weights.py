@@ -32,7 +32,7 @@ class KernelLossRule:
     """
 
     name = "layernorm_kernel_lost"
-    tier = "cheap"  # the read tier its keys need (docs/costs.md, "Tiers")
+    tier = "spectral"  # kernel_residual needs the full C: spectral windows only (docs/costs.md)
     remedy: str | None = REMEDIES["layernorm_kernel_lost"]
 
     def __init__(self, max_kernel_residual: float = 1e-4) -> None:

@@ -1,12 +1,7 @@
 """Pure math on tensors: accumulators and reads (docs/metrics.md). No hooks, no Lightning, no logging."""
 
 from normscope.functional.attention import logit_max, mha_logit_max, sdpa_logit_max
-from normscope.functional.covariance import (
-    StreamingCovariance,
-    fetch_counts,
-    symmetric_eigh,
-    symmetric_eigvalsh,
-)
+from normscope.functional.covariance import StreamingCovariance, fetch_counts
 from normscope.functional.dead_direction import (
     GammaRead,
     KernelRead,
@@ -20,6 +15,7 @@ from normscope.functional.dead_direction import (
     schur_quotient,
 )
 from normscope.functional.depth import DepthRead, InputRead, direction_depth, input_reads
+from normscope.functional.eigh import symmetric_eigh, symmetric_eigvalsh
 from normscope.functional.gamma import gamma_reads
 from normscope.functional.kernel import centring_residual
 from normscope.functional.moments import DiagonalMoment

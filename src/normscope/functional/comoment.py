@@ -1,7 +1,8 @@
 """The merge math of the streaming covariance: pure functions over explicit float64 tensors.
 
 docs/metrics.md §0. A state is ``(n, mu, M)``: the row count (a float64 scalar), the mean
-``(d,)`` and the centred co-moment ``M = sum (x - mu)(x - mu)^T`` ``(d, d)``. Two states merge
+``(d,)`` and the centred co-moment ``M = sum (x - mu)(x - mu)^T`` ``(d, d)``, or its diagonal
+``(d,)`` alone (a diagonal-only state: every update below keeps the diagonal exactly). Two states merge
 exactly by Chan's pairwise update; the states of many processes by :func:`all_reduce_comoment_`
 (two ``all_reduce``\\ s, the co-moment summed in place). The stateful side, the
 ``torchmetrics.Metric`` that holds a state and folds rows into it, is
@@ -50,7 +51,7 @@ def merge_comoment_(
     if comoment_b is not None:
         comoment_a += comoment_b
     # In-place rank-1 update, the scalar folded into one vector: no d x d temporary.
-    comoment_a.addr_(delta, delta * (n_a * share))
+    _add_outer_(comoment_a, delta, delta * (n_a * share))
     mean_a += delta * share
     return n
 
@@ -68,14 +69,24 @@ def all_reduce_comoment_(
     First the global count and mean (one small ``all_reduce`` of ``[n, n mu, rejected]``), then
     each rank re-centres its co-moment on the global mean, ``M_r + n_r (mu_r - mu)(mu_r - mu)^T``
     (rank-1, in place), and the co-moments are summed by one ``all_reduce``: the transient
-    memory of one ``d`` vector, whatever the number of ranks. A collective: every rank of the
-    group calls it at the same point. Needs ``torch.distributed`` initialised.
+    memory of one ``d`` vector, whatever the number of ranks. A diagonal-only ``comoment``
+    (``(d,)``) sends ``d`` numbers instead of ``d^2``. A collective: every rank of the group
+    calls it at the same point. Needs ``torch.distributed`` initialised.
     """
     head = torch.cat([n.reshape(1), n * mean, rejected.to(torch.float64).reshape(1)])
     dist.all_reduce(head, op=dist.ReduceOp.SUM, group=group)
     total = head[0]
     merged_mean = head[1:-1] / total.clamp_min(1)
     delta = mean - merged_mean
-    comoment.addr_(delta, delta * n)
+    _add_outer_(comoment, delta, delta * n)
     dist.all_reduce(comoment, op=dist.ReduceOp.SUM, group=group)
     return total, merged_mean, head[-1].round().to(torch.int64)
+
+
+def _add_outer_(m: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> None:
+    """``m += u v^T`` in place; on a diagonal-only state (``m`` of shape ``(d,)``) its
+    diagonal, ``m += u * v``."""
+    if m.ndim == 1:
+        m.addcmul_(u, v)
+    else:
+        m.addr_(u, v)

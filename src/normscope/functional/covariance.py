@@ -24,6 +24,10 @@ Design choices, written down because they matter inside a training step:
 * **Half the flops.** ``M_b`` is symmetric: the fold (``functional/fold.py``) forms only its
   upper blocks and mirrors the rest when the matrix is read; 1.2-1.9x the rows/s of one full
   GEMM (``benchmarks/RESULTS.md``).
+* **A diagonal-only mode** (``full=False``, :meth:`StreamingCovariance.set_full`): a window
+  whose read needs no matrix (the cheap tier, docs/costs.md "Tiers") folds ``(n, mu, diag M)``
+  only, ``O(N d)`` per update instead of ``O(N d^2)``, by the same Chan merge on the diagonal;
+  the full-matrix accessors then raise.
 * **A ``torchmetrics.Metric`` with a sync of its own.** The default ``sync`` gathers every
   rank's state (``world x 8 d^2`` bytes); this one's ``dist_sync_fn`` merges the states with
   :func:`~normscope.functional.comoment.all_reduce_comoment_`, the co-moment summed in place
@@ -50,8 +54,6 @@ __all__ = [
     "host_array",
     "on_device",
     "pick_rows",
-    "symmetric_eigh",
-    "symmetric_eigvalsh",
 ]
 
 
@@ -77,13 +79,14 @@ def pick_rows(
     return torch.topk(key, k, largest=False, sorted=False).indices
 
 
-def _zeros(dim: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The empty state as broadcast views of one zero (what ``reset`` clones): 8 bytes held."""
+def _zeros(dim: int, device: torch.device, full: bool = True) -> dict[str, torch.Tensor]:
+    """The empty state as broadcast views of one zero (what ``reset`` clones): 8 bytes held.
+    ``full=False``: the co-moment's diagonal ``(d,)`` instead of the matrix."""
     zero = torch.zeros((), dtype=torch.float64, device=device)
     return {
         "_n": zero,
         "_mean": zero.expand(dim),
-        "_comoment": zero.expand(dim, dim),
+        "_comoment": zero.expand(dim, dim) if full else zero.expand(dim),
         "_rejected": torch.zeros((), dtype=torch.int64, device=device),
     }
 
@@ -117,6 +120,7 @@ class StreamingCovariance(Metric):
         max_rows: if set, each :meth:`update` keeps a uniform random subset of at most this many
             rows (before masking), drawn from a generator seeded with ``seed``.
         seed: seed of the subsampling generator.
+        full: fold the whole co-moment (default); ``False``: its diagonal only (:meth:`set_full`).
         fold: how ``X^T X`` of a batch is formed (``functional/fold.py``): ``"auto"`` (default:
             the measured fastest for ``dim`` and the device), ``"gemm"`` (one full GEMM),
             ``"panels"`` (upper-triangle panel GEMMs, about half the flops) or ``"syrk"``
@@ -134,6 +138,8 @@ class StreamingCovariance(Metric):
         130
         >>> acc.compute().shape                         # == acc.covariance() on one process
         torch.Size([4, 4])
+        >>> acc.comoment_diagonal().shape               # in either mode
+        torch.Size([4])
     """
 
     full_state_update = False  # merge_state and forward fold a state in by _reduce_states
@@ -147,6 +153,7 @@ class StreamingCovariance(Metric):
         *,
         max_rows: int | None = None,
         seed: int = 0,
+        full: bool = True,
         fold: str = "auto",
     ) -> None:
         check_dim(dim, "StreamingCovariance")
@@ -156,6 +163,7 @@ class StreamingCovariance(Metric):
             )
         super().__init__(dist_sync_fn=self._sync_state)
         self.dim, self.max_rows, self.seed, self.fold = dim, max_rows, seed, fold
+        self.full = bool(full)
         device = torch.device(device) if device is not None else torch.device("cpu")
         self._plan = self._plan_on(device)
         self._device, self._dtype = device, torch.float64
@@ -165,7 +173,7 @@ class StreamingCovariance(Metric):
             # a placeholder here, the empty state as broadcast zeros below, cloned by reset()
             placeholder = torch.zeros(0, device=device)  # reset() keeps a state's device
             self.add_state(name, placeholder, dist_reduce_fx=_merged, persistent=True)
-        self._defaults = _zeros(dim, device)
+        self._defaults = _zeros(dim, device, self.full)
         self.reset()
 
     def _plan_on(self, device: torch.device) -> tuple[str, int]:
@@ -195,6 +203,17 @@ class StreamingCovariance(Metric):
         """Forget every row (new zero tensors; the subsampling generator keeps its position)."""
         super().reset()
         self._stale_lower = False
+
+    def set_full(self, full: bool) -> None:
+        """Fold the whole co-moment (``True``) or only its diagonal (``False``: ``O(N d)`` per
+        update; :meth:`comoment_diagonal`, :attr:`mean` and :attr:`count` answer, the matrix
+        accessors raise). Call it when a window opens, before its first update: a change of
+        mode discards the rows held (a reset); setting the mode it has is a no-op."""
+        full = bool(full)
+        if full != self.full:
+            self.full = full
+            self._defaults = _zeros(self.dim, self._device, full)
+            self.reset()
 
     @property
     def count(self) -> int:
@@ -243,15 +262,21 @@ class StreamingCovariance(Metric):
         """The centred co-moment ``M = sum (x - mu)(x - mu)^T``, float64, shape ``(d, d)``.
 
         The live state, complete at the time of reading: read it again after more updates (a
-        panel fold writes only its upper blocks until the next read).
+        panel fold writes only its upper blocks until the next read). Raises on a
+        diagonal-only window (:meth:`set_full`).
         """
-        return self._full()
+        return self._matrix("comoment")
+
+    def comoment_diagonal(self) -> torch.Tensor:
+        """``diag M = sum (x_j - mu_j)^2`` per column, float64 ``(d,)``, in either mode (the
+        live state or a view of it; divide by :attr:`count` for the variances)."""
+        return self._comoment.diagonal() if self.full else self._comoment
 
     def covariance(self) -> torch.Tensor:
         """Population covariance ``C = M / n`` (float64 ``(d, d)``); all NaN when ``n == 0``
         (``M`` is exactly 0 then: every fold of no rows adds zeros, so ``0 / 0``), one op and
-        no host sync."""
-        return self._full() / self._n
+        no host sync. Raises on a diagonal-only window."""
+        return self._matrix("covariance") / self._n
 
     def second_moment(self) -> torch.Tensor:
         """Uncentred second moment ``S = C + mu mu^T`` (float64 ``(d, d)``)."""
@@ -307,17 +332,29 @@ class StreamingCovariance(Metric):
         x, n_b, mean_b, rejected = centre_rows(rows, keep)
         self._rejected.add_(rejected)
         kind, panel = self._plan
-        if add_gram_(self._comoment, x, kind, panel) and not self._stale_lower:
+        if not self.full:  # diag(X^T X): x is this update's private buffer, squared in place
+            self._comoment.add_(x.square_().sum(dim=0))
+        elif add_gram_(self._comoment, x, kind, panel) and not self._stale_lower:
             self._stale_lower = True
         self._merge_moments(n_b, mean_b, None)
 
     def _full(self) -> torch.Tensor:
-        # The panel fold leaves the blocks left of the diagonal stale: mirror them on a read (a
-        # Python flag, no host sync). Every other update keeps the upper blocks right.
+        # The co-moment state whole. The panel fold leaves the blocks left of the diagonal
+        # stale: mirror them on a read (a Python flag, no host sync). Every other update keeps
+        # the upper blocks right; a diagonal-only state is never stale.
         if self._stale_lower:
             mirror_upper_(self._comoment, self._plan[1])
             self._stale_lower = False
         return self._comoment
+
+    def _matrix(self, what: str) -> torch.Tensor:
+        if not self.full:
+            raise RuntimeError(
+                f"StreamingCovariance.{what}: this window folded the co-moment's diagonal only "
+                "(full=False, a cheap-tier window); read comoment_diagonal(), mean and count, or "
+                "call set_full(True) before the window's first update"
+            )
+        return self._full()
 
     def _merge_moments(
         self, n_b: torch.Tensor, mean_b: torch.Tensor, comoment_b: torch.Tensor | None
@@ -340,10 +377,17 @@ class StreamingCovariance(Metric):
 
     def _reduce_states(self, incoming_state: dict[str, Any]) -> None:
         # What Metric.merge_state and Metric.forward call to fold a whole state in: Chan's merge.
+        # A whole co-moment merges into a diagonal-only state by its diagonal; never the reverse.
         comoment = incoming_state["_comoment"]
-        if tuple(comoment.shape) != (self.dim, self.dim):
+        if comoment.shape[-1] != self.dim:
             raise ValueError(
                 f"merge_state: dimensions differ ({self.dim} vs {tuple(comoment.shape)[-1]})"
+            )
+        if comoment.ndim == 2 and not self.full:
+            comoment = comoment.diagonal()
+        elif comoment.ndim != self._comoment.ndim:
+            raise ValueError(
+                "merge_state: a diagonal-only state cannot merge into a full accumulator"
             )
         put = self._device
         self._merge_moments(
@@ -421,6 +465,7 @@ class StreamingCovariance(Metric):
 
     def get_extra_state(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"dim": self.dim, "max_rows": self.max_rows, "seed": self.seed}
+        extra["full"] = self.full
         extra["updates"] = self._update_count
         if self._generator is not None:
             extra["generator"] = self._generator.get_state()
@@ -441,8 +486,12 @@ class StreamingCovariance(Metric):
         saved = state_dict.get(prefix + "_comoment")
         extra = state_dict.get(prefix + "_extra_state") or {}
         width = int(extra.get("dim", saved.shape[-1] if saved is not None else self.dim))
-        if width != self.dim or (saved is not None and tuple(saved.shape) != (width, width)):
+        full = saved.ndim == 2 if saved is not None else bool(extra.get("full", self.full))
+        shape = (width, width) if full else (width,)
+        if width != self.dim or (saved is not None and tuple(saved.shape) != shape):
             raise ValueError(f"load_state_dict: state has d={width}, accumulator has d={self.dim}")
+        if full != self.full:  # the saved window's mode
+            self.full, self._defaults = full, _zeros(self.dim, self._device, full)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         for name, zero in self._defaults.items():
             value = getattr(self, name).to(device=self._device, dtype=zero.dtype, copy=True)
@@ -467,13 +516,14 @@ class StreamingCovariance(Metric):
         super()._apply(fn, exclude_state=tuple(self._defaults))
         for name in self._defaults:
             setattr(self, name, getattr(self, name).to(device))
-        self._defaults = _zeros(self.dim, device)
+        self._defaults = _zeros(self.dim, device, self.full)
         self._device, self._dtype, self._plan = device, torch.float64, plan
         self._generator, self._computed = None, None
         return self
 
     def memory_bytes(self) -> int:
-        """Bytes of the co-moment, the state that counts: ``8 d^2`` (the mean adds ``8 d``)."""
+        """Bytes of the co-moment, the state that counts: ``8 d^2`` (the mean adds ``8 d``), what
+        a full window holds (a diagonal-only one holds ``8 d``)."""
         return 8 * self.dim * self.dim
 
     def _gen(self, device: torch.device) -> torch.Generator:
@@ -484,7 +534,8 @@ class StreamingCovariance(Metric):
 
     def __repr__(self) -> str:
         return (
-            f"StreamingCovariance(dim={self.dim}, device={self.device}, max_rows={self.max_rows})"
+            f"StreamingCovariance(dim={self.dim}, device={self.device}, max_rows={self.max_rows}, "
+            f"full={self.full})"
         )
 
 
@@ -546,54 +597,3 @@ def fetch_counts(accumulators: Any) -> None:
         m = len(group)
         for i, (acc, key) in enumerate(zip(group, keys)):
             acc._counts_cache = (key, (int(host[i]), int(host[m + i])))
-
-
-def _symmetrised(matrix: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.device]:
-    """``(A + A^T) / 2`` in float64 and the matrix's device; a clear error if not square."""
-    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-        raise ValueError(f"{where}: expected a square matrix, got shape {tuple(matrix.shape)}")
-    a = matrix if matrix.dtype == torch.float64 else matrix.to(torch.float64)
-    return (a + a.T) * 0.5, matrix.device
-
-
-def symmetric_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 eigen-decomposition of a symmetric matrix, eigenvalues ascending.
-
-    Symmetrises ``(A + A^T) / 2`` first (a co-moment is symmetric only up to rounding). Runs
-    ``torch.linalg.eigh`` on the matrix's own device; if the device solver fails (it can on
-    ill-conditioned input, and some backends have no float64 solver) it retries on the CPU and
-    returns the result on the original device.
-
-    Returns:
-        ``(eigenvalues (d,), eigenvectors (d, d))``, columns the eigenvectors.
-    """
-    a, device = _symmetrised(matrix, "symmetric_eigh")
-    try:
-        evals, evecs = torch.linalg.eigh(a)
-    except (RuntimeError, NotImplementedError, TypeError):
-        if device.type == "cpu":
-            raise
-        evals, evecs = torch.linalg.eigh(a.cpu())
-        evals, evecs = evals.to(device), evecs.to(device)
-    return evals, evecs
-
-
-def symmetric_eigvalsh(matrix: torch.Tensor) -> torch.Tensor:
-    """Float64 eigenvalues (ascending) of a symmetric matrix, without eigenvectors.
-
-    What :func:`symmetric_eigh` does, values only: about 0.25-0.45x of its time at d >= 512
-    (``benchmarks/read_cost.py``). Same symmetrisation and CPU fallback.
-
-    Example::
-
-        >>> import torch
-        >>> symmetric_eigvalsh(torch.tensor([[2.0, 1.0], [1.0, 2.0]])).tolist()
-        [1.0, 3.0]
-    """
-    a, device = _symmetrised(matrix, "symmetric_eigvalsh")
-    try:
-        return torch.linalg.eigvalsh(a)
-    except (RuntimeError, NotImplementedError, TypeError):
-        if device.type == "cpu":
-            raise
-        return torch.linalg.eigvalsh(a.cpu()).to(device)

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from normscope.functional.covariance import host_array, on_device, symmetric_eigh
+from normscope.functional.covariance import host_array, on_device
+from normscope.functional.eigh import symmetric_eigh
 from normscope.functional.gamma import GammaRead, resolve_gamma, row_count, square_matrix
 from normscope.functional.kernel import DECLARED_KINDS
 from normscope.functional.premise import check_placement, input_read_reason

@@ -9,12 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from normscope.functional.covariance import (
-    host_array,
-    on_device,
-    symmetric_eigh,
-    symmetric_eigvalsh,
-)
+from normscope.functional.covariance import host_array, on_device
+from normscope.functional.eigh import symmetric_eigh, symmetric_eigvalsh
 from normscope.functional.gamma import (
     GammaRead,
     as_float64,
@@ -314,8 +310,9 @@ def kernel_residual(
     ``lambda_max(P^T C P) / lambda_d`` (``v*^T C v* / lambda_d`` without dead channels),
     ``lambda_d`` by Lanczos (:func:`~normscope.functional.solvers.lambda_max`, ``O(d^2)`` a
     step; the values-only dense solve when it does not verify). NaN where :func:`kernel_read`
-    gives NaN (under ``2 d`` rows, a non-finite ``C`` or gamma, a zero ``C``). The cheap tier's
-    read of a norm layer (docs/costs.md, "Tiers").
+    gives NaN (under ``2 d`` rows, a non-finite ``C`` or gamma, a zero ``C``). For a caller
+    holding ``C`` that wants this number alone; the monitors' reads take it from
+    :func:`kernel_read` on spectral windows (docs/costs.md, "Tiers").
 
     Example::
 

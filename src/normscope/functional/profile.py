@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from normscope.functional.covariance import symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
+from normscope.functional.eigh import symmetric_eigvalsh
 from normscope.functional.premise import POST_NORM, check_placement
 from normscope.functional.solvers import bottom_eigh, check_solver, use_fast
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from normscope.functional.covariance import symmetric_eigh, symmetric_eigvalsh
 from normscope.functional.dead_direction import row_count, square_matrix
+from normscope.functional.eigh import symmetric_eigh, symmetric_eigvalsh
 from normscope.functional.premise import POST_NORM, check_placement
 
 __all__ = ["RetentionRead", "sublayer_retention"]

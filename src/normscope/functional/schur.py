@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from normscope.functional.covariance import symmetric_eigh
+from normscope.functional.eigh import symmetric_eigh
 from normscope.functional.gamma import GammaRead, resolve_gamma, row_count, square_matrix
 from normscope.functional.kernel import DECLARED_KINDS
 from normscope.functional.premise import check_placement, input_read_reason

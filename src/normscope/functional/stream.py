@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from normscope.functional.covariance import host_array, symmetric_eigvalsh
+from normscope.functional.covariance import host_array
+from normscope.functional.eigh import symmetric_eigvalsh
 from normscope.functional.gamma import as_float64, gamma_vector, row_count, square_matrix
 
 __all__ = [

@@ -13,7 +13,6 @@ from normscope._common import ConfigurationError, fmt, say, warn_rank_zero
 from normscope.alerts import (
     AlertRule,
     KernelLossRule,
-    RepresentationCollapseRule,
     SigmaMinRatioRule,
     SourceCollapseRule,
     default_dead_direction_rules,
@@ -92,7 +91,7 @@ class DeadDirectionFamily:
         )
         self.tracker: DeadDirectionTracker | None = None
         #: reads taken so far (checkpointed): read ``k`` (from 0) is spectral when
-        #: ``k % spectral_every() == 0``, so the first read always is
+        #: ``k % spectral_every() == 0``, so the first read always is; its window folds full
         self.reads_taken = 0
         self._discovering = False
         self._saved: dict[str, Any] = {}  # state loaded before the tracker existed
@@ -239,9 +238,12 @@ class DeadDirectionFamily:
             self.tracker.share_rows(forwards)
 
     def open(self, batch: Any) -> None:
-        """Open the gate for this micro-batch's forwards (the gammas snapshotted first)."""
+        """Open the gate for this micro-batch's forwards (the gammas snapshotted first). A new
+        window's fold is decided here, from the read schedule (:meth:`spectral_next`): the
+        whole co-moments for a spectral read, the diagonals for a cheap one."""
         tracker = self.tracker
         assert tracker is not None
+        tracker.open_window(self.spectral_next())  # every rank alike: the schedule is a count
         tracker.snapshot_gammas()  # the gammas this window's forwards use
         tracker.gate.mask = batch_mask(batch)
         tracker.gate.sources = tracker.label(batch)
@@ -271,12 +273,11 @@ class DeadDirectionFamily:
         return math.ceil(per_dim * width)
 
     # ------------------------------------------------------------ the read
-    def next_spectral(self) -> bool:
+    def spectral_next(self) -> bool:
         """Whether the next read computes the spectral tier (docs/costs.md, "Tiers"): the
-        first read and every ``spectral_every``-th after it; counts the read."""
-        spectral = self.reads_taken % self.spectral_every() == 0
-        self.reads_taken += 1
-        return spectral
+        first read and every ``spectral_every``-th after it. Its window folds full
+        (:meth:`open`); the read itself computes what its window folded."""
+        return self.reads_taken % self.spectral_every() == 0
 
     def spectral_every(self) -> int:
         """Reads per spectral read: ``config.spectral_every``, ``"auto"`` resolved at the
@@ -290,33 +291,14 @@ class DeadDirectionFamily:
         assert self.tracker is not None
         if distributed:
             self.tracker.reduce()
-        return self.tracker.take(
-            step, swap=swap, spectral=self.next_spectral(), escalate_above=self.escalation_line()
-        )
+        self.reads_taken += 1
+        return self.tracker.take(step, swap=swap)
 
     def read(self, step: int, *, distributed: bool) -> DeadDirectionReport:
         """A synchronous read: the same take / solve / assemble, waited for at once."""
         assert self.tracker is not None
-        return self.tracker.read(
-            step,
-            reduce=distributed,
-            spectral=self.next_spectral(),
-            escalate_above=self.escalation_line(),
-        )
-
-    def escalation_line(self) -> float | None:
-        """The final norm's output offset share at or over which a cheap read computes the
-        spectral tier as well: the least share at which a live
-        :class:`~normscope.alerts.RepresentationCollapseRule` can fire (its ``jump_to`` or
-        ``alert_above``); None without one, or when every read is spectral."""
-        if self.spectral_every() == 1:
-            return None
-        lines = [
-            min(r.alert_above, 1.0 if r.jump_to is None else r.jump_to)
-            for r in self.rules
-            if isinstance(r, RepresentationCollapseRule)
-        ]
-        return min(lines, default=None)
+        self.reads_taken += 1
+        return self.tracker.read(step, reduce=distributed)
 
     def tier_of(self, report: DeadDirectionReport) -> str:
         """``"spectral"`` when ``report`` computed the spectral tier, else ``"cheap"``: the

@@ -141,7 +141,7 @@ def _solve_job(window: ReadWindow, job: tuple, out: ReadRecords) -> None:
 
 def _solve_norm(window: ReadWindow, norm: Any, out: ReadRecords) -> None:
     tap_in, tap_out = window.norm_taps[norm.name]
-    if not window.spectral:  # the cheap tier: gamma and kernel_residual, no decomposition
+    if not window.spectral:  # the cheap tier: gamma and the row count, no matrix
         try:
             gamma = window.gamma_reads.get(norm.name, window.gammas[norm.name])
             out.norms[norm.name] = read_norm_cheap(norm, tap_out, gamma)

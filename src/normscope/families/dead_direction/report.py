@@ -36,7 +36,7 @@ NORM_CLASS_CODE = {"layernorm-like": 1.0, "rmsnorm-like": -1.0, "indeterminate":
 #: tier's (docs/costs.md, "Tiers")
 CHEAP_METRICS = frozenset(
     {
-        "dead_channels", "gamma_min", "gamma_max", "gamma_spread", "kernel_residual", "n_rows",
+        "dead_channels", "gamma_min", "gamma_max", "gamma_spread", "n_rows",
         "offset_share", "rms", "rms_growth", "out_offset_share", "gamma_scale",
         "gamma_crossed", "max_logit",
     }
@@ -57,7 +57,7 @@ def cheap_key(key: str) -> bool:
 
     Example::
 
-        >>> cheap_key("dd/h.0.ln_1/kernel_residual"), cheap_key("dd/h.0.ln_1/gamma_alignment")
+        >>> cheap_key("dd/h.0.ln_1/gamma_min"), cheap_key("dd/h.0.ln_1/kernel_residual")
         (True, False)
         >>> cheap_key("dd/rows_rejected"), cheap_key("dd/sigma_min_ratio_min")
         (True, False)
@@ -76,8 +76,8 @@ class NormReport:
     its output, and of its input the Schur quotient (``schur``: ``R`` and ``s``, no baseline)
     and ``v*``'s depth beyond the typical direction with its random-direction control
     (``depth``: ``delta_gamma``, ``delta_gamma_control``...). A cheap read's
-    (``spectral=False``) has ``gamma`` and the kernel's ``kernel_residual`` only: its
-    ``schur`` and ``depth`` are None and :meth:`as_dict` holds the cheap keys."""
+    (``spectral=False``) has ``gamma`` and ``n_rows`` only: its ``schur`` and ``depth`` are
+    None and :meth:`as_dict` holds the cheap keys."""
 
     name: str
     kind: str
@@ -90,7 +90,7 @@ class NormReport:
     #: residual point this norm reads takes its ``sigma_min`` from it); dropped before the
     #: report leaves the solve
     spectrum: Any = field(default=None, repr=False, compare=False)
-    #: the spectral tier was read (False: a cheap read's gamma and kernel_residual only)
+    #: the spectral tier was read (False: a cheap read's gamma and row count only)
     spectral: bool = True
 
     @property
@@ -103,7 +103,6 @@ class NormReport:
         out: dict[str, float] = {}
         out.update(self.gamma.as_dict())
         if not self.spectral or self.schur is None or self.depth is None:
-            out["kernel_residual"] = self.kernel.kernel_residual
             out["n_rows"] = float(self.n_rows)
             return out
         out.update(self.kernel.as_dict())

@@ -15,7 +15,6 @@ from normscope.families.dead_direction.report import NormReport
 from normscope.functional.covariance import host_array, on_device
 from normscope.functional.dead_direction import GammaRead, KernelRead, gamma_read, kernel_read
 from normscope.functional.depth import input_reads, secular_bottom
-from normscope.functional.kernel import kernel_residual
 from normscope.functional.profile import (
     RANK_DEFICIENT,
     RANK_TOL,
@@ -92,14 +91,12 @@ def read_norm(
 
 def read_norm_cheap(norm: NormLayer, tap_out: Tap, gamma: torch.Tensor | GammaRead) -> NormReport:
     """The cheap tier's read of ``norm`` (docs/costs.md, "Tiers"): the gamma read and the
-    output's ``kernel_residual`` (:func:`~normscope.functional.kernel.kernel_residual`: no
-    decomposition); the report's other reads are absent (``spectral=False``)."""
+    output's row count, nothing of its co-moment (a cheap window folds the diagonal only);
+    the report's other reads are absent (``spectral=False``)."""
     g = gamma if isinstance(gamma, GammaRead) else gamma_read(gamma)
-    acc = tap_out.accumulator
-    n = acc.count
-    residual = kernel_residual(acc.covariance(), g, n)
+    n = tap_out.accumulator.count
     nan = math.nan
-    kernel = KernelRead(nan, residual, nan, nan, nan, "indeterminate", n, g.reason, ())
+    kernel = KernelRead(nan, nan, nan, nan, nan, "indeterminate", n, g.reason, ())
     return NormReport(norm.name, norm.kind, g, kernel, None, None, n, spectral=False)
 
 

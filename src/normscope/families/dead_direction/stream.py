@@ -80,9 +80,10 @@ def attention_reads(maxima: dict[str, torch.Tensor | None]) -> dict[str, float]:
 
 
 def _variances(accs: Sequence[Any]) -> list[torch.Tensor]:
-    """Each accumulator's per-channel variance ``diag(M) / max(N, 1)``, the divisions as one
-    op per group of equal widths (the count tensors stacked, no host sync)."""
-    diagonals = [acc.comoment.diagonal() for acc in accs]
+    """Each accumulator's per-channel variance ``diag(M) / max(N, 1)`` (its
+    ``comoment_diagonal()``: a cheap window folds no more), the divisions as one op per group
+    of equal widths (the count tensors stacked, no host sync)."""
+    diagonals = [acc.comoment_diagonal() for acc in accs]
     out: list[torch.Tensor] = list(diagonals)
     groups: dict[tuple, list[int]] = {}
     for i, (diag, acc) in enumerate(zip(diagonals, accs)):

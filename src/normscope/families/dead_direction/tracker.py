@@ -29,7 +29,6 @@ from normscope.families.dead_direction.window import (
     ReadWindow,
     covered,
 )
-from normscope.functional.stream import offset_share
 from normscope.taps.attention import AttentionLogits, find_attention_modules
 from normscope.taps.hooks import Gate, Tap, TapSet
 from normscope.taps.norms import NormLayer, discover_norm_layers, find_norm_layers
@@ -101,7 +100,10 @@ class DeadDirectionTracker:
         self._discovery: ResidualDiscovery | None = None
         self.attached = False
         self.last_solves = 0  # jobs this process solved at the last read (a split read: a share)
-        self.escalated = 0  # cheap reads raised to the spectral tier (:meth:`escalates`)
+        #: the open window folds the whole co-moment of every tap (its read computes the
+        #: spectral tier) or the diagonals only (the cheap tier): :meth:`open_window`
+        self.fold_full = True
+        self._window_open = False
         self.rank_warned = False  # the one warning about inputs that do not span
         # the stream reads (docs/metrics.md §1.6): each norm's gamma at the first read (the
         # gain drift's baseline) and each residual point's RMS at the previous read
@@ -294,8 +296,25 @@ class DeadDirectionTracker:
             self.attention = None
         self.attached = False
 
+    def open_window(self, full: bool) -> None:
+        """Decide how the window about to open folds its rows: the whole co-moment of every tap
+        (``full``: its read computes the spectral tier) or the means and diagonals only (the
+        cheap tier: ``O(N d)`` per tap; docs/costs.md, "Tiers"). The family calls it from the
+        read schedule before a sampled forward; once the window holds rows (its other
+        micro-batches, a deferred read's next steps) the mode stays until :meth:`reset`."""
+        if self._window_open:
+            return
+        self._window_open = True
+        self.fold_full = full = bool(full)
+        for tap in self.taps.taps.values():
+            if hasattr(tap.accumulator, "set_full"):
+                tap.accumulator.set_full(full)
+        if self.taps.chain is not None:  # the per-source profiles are the spectral tier's
+            self.taps.chain.split = self.split if full else None
+
     def reset(self) -> None:
-        """Start a new window."""
+        """Start a new window (its fold mode is decided again at :meth:`open_window`)."""
+        self._window_open = False
         self.taps.reset()
         if self.attention is not None:
             self.attention.take()
@@ -335,20 +354,17 @@ class DeadDirectionTracker:
         *,
         reduce: bool = True,
         reset: bool = True,
-        spectral: bool = True,
-        escalate_above: float | None = None,
     ) -> DeadDirectionReport:
         """Reduce across processes (``reduce``; every rank must call this at the same step),
         run every read and start a new window (``reset``; ``False`` keeps the window: the
         same accumulators can be read again, as ``benchmarks/read_cost.py`` does). Under
         several processes every rank solves a round-robin share and the records are gathered:
         every rank gets the same full report (:mod:`~normscope.families.dead_direction.read`).
-        ``spectral=False``: the cheap tier only (docs/costs.md, "Tiers"), unless
-        ``escalate_above`` raises it (:meth:`escalates`)."""
+        The read computes the spectral tier iff its window folded full (:meth:`open_window`)."""
         if reduce:
             self.reduce()
         share = read_share() if reduce else (0, 1)
-        window = self.take(step, swap=False, spectral=spectral, escalate_above=escalate_above)
+        window = self.take(step, swap=False)
         records = solve_window(window, share)
         parts = gather_records(records) if share[1] > 1 else [records]
         self.last_solves = records.solves
@@ -366,46 +382,24 @@ class DeadDirectionTracker:
         order); then every rank holds the same window."""
         for tap in self.taps.taps.values():  # same order on every rank
             tap.accumulator.reduce_()
-        if self.split is not None:
+        if self.split is not None and self.fold_full:  # not folded on a cheap window
             self.split.reduce_()  # source names agreed across ranks first
         if self.attention is not None:
             self.attention.reduce_()
 
-    def escalates(self, line: float | None) -> bool:
-        """Whether a cheap read is raised to the spectral tier: the final norm's output offset
-        share (``dd/final_out_offset_share``, read from the accumulator's mean and diagonal,
-        ``O(d)``) is at or over ``line`` -- the least share at which a
-        :class:`~normscope.alerts.RepresentationCollapseRule` can fire, so that a collapse seen
-        by the cheap tier is judged on this read, not ``spectral_every`` reads later
-        (docs/costs.md, "Tiers"). Call after :meth:`reduce`: every rank decides alike."""
-        final = self.layout.final_norm if self.layout is not None else None
-        if line is None or final is None or final not in self.norm_taps:
-            return False
-        tap = self.norm_taps[final][1]
-        acc = tap.accumulator
-        if tap.failed is not None or acc.count < 1:
-            return False
-        variance = acc.comoment.diagonal() / acc.count
-        share = offset_share(acc.mean, variance, acc.count)
-        return share == share and share >= line  # NaN: no
-
-    def take(
-        self, step: int, *, swap: bool, spectral: bool = True, escalate_above: float | None = None
-    ) -> ReadWindow:
+    def take(self, step: int, *, swap: bool) -> ReadWindow:
         """Freeze the window (after :meth:`reduce`). ``swap`` (an asynchronous read): every
         accumulator is shallow-copied -- the copy keeps *references* to the window's tensors --
         and the live taps are reset with fresh tensors, so the next window folds into new
         memory while the read holds the old (no ``d x d`` copy); else the window reads the
-        live accumulators and the caller resets them after. A cheap read (``spectral=False``)
-        is raised to the spectral tier when :meth:`escalates` at ``escalate_above``."""
-        if not spectral and self.escalates(escalate_above):
-            spectral = True
-            self.escalated += 1
+        live accumulators and the caller resets them after. The window is spectral iff it
+        folded full (:meth:`open_window`)."""
+        spectral = self.fold_full
         live = list(self.taps.taps.values())
         frozen = {t.key: (_frozen(t) if swap else t) for t in live}
         split = self.split
         sources = None
-        if split is not None and split.failed is None:
+        if split is not None and split.failed is None and spectral:
             sources = {
                 n: ([copy.copy(a) for a in split.accs[n]] if swap else split.accs[n])
                 for n in sorted(split.accs)
@@ -444,7 +438,11 @@ class DeadDirectionTracker:
             for old, tap in zip(window.taps, live):
                 # reset() must give the live taps new tensors: one zeroed in place would wipe
                 # the window the read holds (never silently read zeros)
-                if old.accumulator.comoment is tap.accumulator.comoment:
+                old_m, new_m = (
+                    old.accumulator.comoment_diagonal(),
+                    tap.accumulator.comoment_diagonal(),
+                )
+                if old_m.data_ptr() == new_m.data_ptr():
                     raise RuntimeError("normscope: an accumulator's reset() reused its tensors")
         return window
 
@@ -530,6 +528,11 @@ class DeadDirectionTracker:
             self.split.load_state_dict(state["sources"])
         if self.attention is not None and "attention" in state:
             self.attention.load_state_dict(state["attention"])
+        # the loaded window goes on in the mode it was folded in (a mixed one, which no
+        # tracker saves, goes on full: its diagonal-only taps emptied)
+        full = all(getattr(t.accumulator, "full", True) for t in self.taps.taps.values())
+        self._window_open = False
+        self.open_window(full)
 
     def memory_bytes(self) -> int:
         split = self.split.memory_bytes() if self.split is not None else 0
