@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None):
         "--out",
         args.out,
     ]
+    # every read full: the sigma_min rule reads the spectral tier, which the default tiers
+    # (spectral_every="auto": one read in five from width 65) would reach up to 4 reads later
+    demo_args += ["--spectral-every", "1"]
     demo_args += [] if args.no_stop else ["--stop-on-alert"]
     demo_args += ["--no-wandb"] if args.no_wandb else []
     monitor = demo.main(demo_args)

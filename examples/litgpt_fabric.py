@@ -378,13 +378,16 @@ def train(
     verbose: bool = False,
     seed: int = 0,
     quiet: bool = False,
+    spectral_every: int | str = "auto",
 ) -> tuple[DeadDirectionMonitor, nn.Module, list[float]]:
     """Train ``model`` for ``steps`` optimiser steps in a Fabric loop with the monitor; return
     the monitor (closed: the model unhooked), the model (unwrapped) and the losses.
 
     ``batch_size`` (default 8 sequences of 32 tokens, or 16 images of 65 tokens): a read wants
     ``4 d`` rows per step (``min_rows_per_dim``); with fewer, the monitor keeps the window open
-    for another step, and a window still open when the loop ends is not read."""
+    for another step, and a window still open when the loop ends is not read.
+    ``spectral_every``: the monitor's (``"auto"``: a ViT of width 192 reads one read in five
+    spectral; 1 reads every read full)."""
     torch.manual_seed(seed)
     if batch_size is None:
         batch_size = 16 if model == "vit" else 8
@@ -392,7 +395,9 @@ def train(
     data = image_batches(batch_size, seed) if model == "vit" else token_batches(batch_size)
 
     # --- normscope: the monitor as a Fabric callback -----------------------------------------
-    monitor = DeadDirectionMonitor(every_n_steps=every, verbose=verbose)
+    monitor = DeadDirectionMonitor(
+        every_n_steps=every, verbose=verbose, spectral_every=spectral_every
+    )
     fabric = Fabric(
         accelerator="cpu",
         devices=1,

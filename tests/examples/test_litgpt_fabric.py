@@ -75,6 +75,7 @@ def runs(tmp_path_factory):
             log_dir=str(tmp_path_factory.mktemp(model)),
             use_litgpt=False,
             quiet=True,
+            spectral_every=1,  # every read full: the tests read each read's spectral keys
         )
         out[model] = (monitor, net, losses, hooks_before)
     return out

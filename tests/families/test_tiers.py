@@ -54,9 +54,10 @@ def _fit(config, *, steps=12, every=1, cancel_at=None, nan_at=None, model=None, 
 
 def test_spectral_every_is_checked_once():
     assert DeadDirectionConfig().spectral_every == "auto"
-    assert [DeadDirectionConfig().spectral_every_at(d) for d in (16, 128, 129, 4096)] == [
+    assert [DeadDirectionConfig().spectral_every_at(d) for d in (16, 64, 65, 128, 4096)] == [
         1,
         1,
+        5,
         5,
         5,
     ]

@@ -31,9 +31,9 @@ __all__ = [
 #: every how many reads the spectral tier is computed by default (docs/costs.md, "Tiers")
 SPECTRAL_EVERY = "auto"
 #: ``spectral_every="auto"``: every read full while the widest norm layer is at most this wide
-#: (the fold, not the solves, is most of a read there), one read in ``AUTO_SPECTRAL_EVERY``
-#: spectral above it (docs/costs.md, "Tiers": why, measured)
-AUTO_FULL_UP_TO = 128
+#: (the test-sized models: a full read there is a few milliseconds), one read in
+#: ``AUTO_SPECTRAL_EVERY`` spectral above it (docs/costs.md, "Tiers": why, measured)
+AUTO_FULL_UP_TO = 64
 AUTO_SPECTRAL_EVERY = 5
 
 #: rows each tapped tensor folds per read by default, in units of its width ``d`` (the figures
@@ -77,7 +77,7 @@ class DeadDirectionConfig:
         spectral_every: the spectral tier (the decompositions: the ``sigma_min`` profile, the
             kernel alignments, ``delta_gamma``, RankMe, Schur) is read at the first read and
             every this many reads; the others read the cheap tier only (docs/costs.md,
-            "Tiers"). 1: every read is a full read; ``"auto"`` (default): 1 up to width 128,
+            "Tiers"). 1: every read is a full read; ``"auto"`` (default): 1 up to width 64,
             5 above (:meth:`spectral_every_at`).
         objective: what the model is trained to do, for the collapse rule: ``"tokens"``
             (default: a language model, causal or masked) or ``"embedding"`` (embeddings
@@ -182,7 +182,7 @@ class DeadDirectionConfig:
         Example::
 
             >>> c = DeadDirectionConfig()
-            >>> c.spectral_every_at(128), c.spectral_every_at(256)
+            >>> c.spectral_every_at(64), c.spectral_every_at(128)
             (1, 5)
             >>> DeadDirectionConfig(spectral_every=3).spectral_every_at(4096)
             3
