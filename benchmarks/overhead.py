@@ -253,18 +253,19 @@ def interleaved(
     run_dir: str | None = None,
     stop: Callable[[], bool] | None = None,
     max_bytes: int = 4_000_000,
-    spectral: Sequence[int] = (1,),
+    spectral: Sequence[int | str] = ("auto",),
 ) -> list[dict[str, Any]]:
     """Train every configuration ``steps`` steps, interleaved block by block; one dict per
     configuration (step times and read steps), ``none`` first. ``stop()`` is asked before
     each round (a deadline): True ends the run with the rounds done, every copy alike.
-    ``spectral``: one monitored copy per ``spectral_every`` value (and ``every``)."""
+    ``spectral``: one monitored copy per ``spectral_every`` value (and ``every``); the
+    default is the monitor's own (``"auto"``)."""
     device = torch.device(device)
     torch.manual_seed(0)
     base = GPT(GPTConfig(n_embd=width, n_layer=layers)).to(device)
     configs = [("none", "none", max(everys), 1)]
     configs += [
-        (f"dd every={e}" + (f" spectral={k}" if k != 1 else ""), "dd", e, k)
+        (f"dd every={e}" + (f" spectral={k}" if k != "auto" else ""), "dd", e, k)
         for e in everys
         for k in spectral
     ]
@@ -415,6 +416,11 @@ def render(rows: list[dict[str, Any]]) -> list[list[str]]:
     ]
 
 
+def _tier(text: str) -> int | str:
+    """``--spectral-every``: ``auto`` or an int."""
+    return "auto" if text == "auto" else int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="steps per configuration")
@@ -422,8 +428,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, nargs="+", default=[128])
     parser.add_argument("--block", type=int, default=1, help="steps per turn of a copy")
     parser.add_argument(
-        "--spectral-every", type=int, nargs="+", default=[1],
-        help="one monitored copy per value of DeadDirectionConfig(spectral_every=)",
+        "--spectral-every", type=_tier, nargs="+", default=["auto"],
+        help="one monitored copy per value of DeadDirectionConfig(spectral_every=): an int or "
+        "auto (the default, the monitor's own)",
     )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--no-watch", action="store_true", help="leave wandb.watch out")
