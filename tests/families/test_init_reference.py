@@ -9,10 +9,12 @@ import warnings
 
 import lightning as L
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from normscope import DeadDirectionMonitor
+from normscope.alerts import RepresentationCollapseRule
 from normscope.families.dead_direction.init_reference import InitReference
 from normscope.taps import find_norm_layers
 from tests.support import loops
@@ -69,7 +71,12 @@ def test_the_first_read_logs_the_final_norms_share_on_the_discovery_forward(tmp_
     module = LitCaptured()
     logger = MemoryLogger()
     monitor = DeadDirectionMonitor(
-        every_n_steps=2, verbose=False, alerts=(), overhead_warn=None, rows_per_read="all"
+        every_n_steps=2,
+        verbose=False,
+        alerts=(),
+        overhead_warn=None,
+        rows_per_read="all",
+        objective="embedding",
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -89,6 +96,9 @@ def test_the_first_read_logs_the_final_norms_share_on_the_discovery_forward(tmp_
     # the first step changed the model: the first read's own share is another number
     assert abs(first["dd/final_out_offset_share"] - share) > 1e-6
     assert _reference_hooks(module) == 0  # removed when discovery finished
+    # the embedding rule took it as its reference (clearly spread: 0.026 from 136 rows)
+    (rule,) = [r for r in monitor.rules if isinstance(r, RepresentationCollapseRule)]
+    assert rule.spread_seen == (0, pytest.approx(1 - share, rel=1e-10)) and rule.seen_at_init
 
 
 def test_the_reference_hooks_fold_masked_finite_rows_and_go_away():
