@@ -32,9 +32,10 @@ class _Reads(L.Callback):
 
 
 # reads against an earlier read, which the reused monitor has from the first fit: the previous
-# signs of sign_churn and the stream reads' memory (gains at the first batch, the last RMS);
+# signs of sign_churn and the stream reads' memory (gains at the first batch, the last RMS),
+# and the final norm's share on the discovery forward (the first fit's: not rediscovered);
 # delta_gamma needs no baseline (it reads against its own control)
-_HISTORY = ("churn", "gamma_scale", "gamma_crossed", "rms_growth")
+_HISTORY = ("churn", "gamma_scale", "gamma_crossed", "rms_growth", "_init")
 
 
 @pytest.mark.parametrize("family", ["dd", "sm"])

@@ -59,6 +59,18 @@ def test_fabric_ddp_reads_cover_both_ranks_rows(ddp_run):
             assert math.isnan(got[0][key]), key
         else:
             assert got[0][key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+    # the final norm's share on the discovery forward (each rank's first micro-batch), summed
+    # over the ranks: both ranks hold one process's read of both micro-batches
+    first = [{k: float(v) for k, v in r["first"].items()} for r in ranks]
+    assert first[0] == first[1] and first[0]["dd/final_out_init_step"] == 0.0
+    seen = [fabric_ddp.micro_batches(r)[0] for r in (0, 1)]
+    with torch.no_grad():
+        init = scan_model(gpt2(), seen).as_dict()
+    assert first[0]["dd/final_out_rows_init"] == sum(int(b["attention_mask"].sum()) for b in seen)
+    assert first[0]["dd/final_out_offset_share_init"] == pytest.approx(
+        init["dd/final_out_offset_share"], rel=1e-10
+    )
+    assert "dd/final_out_offset_share_init" not in got[0]  # the first read's only
     logged = read_csv_run(out / "fabric_ddp")  # rank 0's Fabric logger
     steps, ratio = logged.series("dd/sigma_min_ratio_min")
     assert steps.tolist() == [2.0, 4.0]

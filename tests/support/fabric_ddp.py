@@ -75,6 +75,7 @@ def main(out: Path) -> None:
         "reads": monitor.reads,
         "global_step": loop.steps.count,
         "last": {k: repr(v) for k, v in monitor.last_report.as_dict().items()},
+        "first": {k: repr(v) for k, v in monitor.history[0][1].items()},  # run-level keys
         "alerts": [a.step for a in monitor.alerts_fired],
     }
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(result))

@@ -152,7 +152,11 @@ class RepresentationCollapseRule(EpisodeRule):
             ``1 - jump_to`` after some earlier read of the run clearly over
             ``1 - rise_from``, or under ``1 - alert_above`` for ``patience`` reads -- with no
             RankMe or profile condition, so it reads the cheap tier only (``tier`` is
-            ``"cheap"``: no wait for a spectral read).
+            ``"cheap"``: no wait for a spectral read). The model before its first update
+            counts as such a read: the first read after residual discovery carries the final
+            norm's offset share on the discovery forward (``dd/final_out_offset_share_init``,
+            ``dd/final_out_rows_init``, ``dd/final_out_init_step``), taken as the reference
+            before that read is judged, so a collapse in the first step fires at the first read.
 
     Example::
 
@@ -244,6 +248,8 @@ class RepresentationCollapseRule(EpisodeRule):
         #: ``objective="embedding"``: the step of the run's first read clearly under
         #: ``rise_from`` and its spread share (the reference a loss of spread is read against)
         self.spread_seen: tuple[int, float] | None = None
+        #: the reference is the discovery forward's (``dd/final_out_offset_share_init``)
+        self.seen_at_init = False
         #: the final norm's path, from the last read that named it (``dd/<path>/rankme``)
         self.final_norm: str | None = None
 
@@ -257,6 +263,8 @@ class RepresentationCollapseRule(EpisodeRule):
         rows = metrics.get(f"dd/{final}/n_rows", math.nan) if final else math.nan
         per_dim = metrics.get("dd/final_rows_per_dim", math.nan)
         spread_rank = metrics.get("dd/final_rankme_centred", math.nan)
+        if self.objective == "embedding" and self.spread_seen is None:
+            self._init_reference(metrics)  # before this read is judged: it may be the jump
         if not (math.isfinite(share) and math.isfinite(rows) and rows >= self.min_rows):
             return None, None
         spread = 1.0 - share
@@ -315,6 +323,21 @@ class RepresentationCollapseRule(EpisodeRule):
             remedy=self.remedy,
         )
 
+    def _init_reference(self, metrics: Mapping[str, float]) -> None:
+        """Take the final norm's offset share on the discovery forward (the model before its
+        first update: ``dd/final_out_offset_share_init``, in the first read after residual
+        discovery only) as the reference when it is clearly spread, by the same test as a
+        read's."""
+        share = metrics.get("dd/final_out_offset_share_init", math.nan)
+        rows = metrics.get("dd/final_out_rows_init", math.nan)
+        step = metrics.get("dd/final_out_init_step", 0.0)
+        if self.rise_from is None or not (math.isfinite(share) and rows >= self.min_rows):
+            return
+        lo, _ = spread_bounds(1.0 - share, rows, self.z)
+        if lo > 1.0 - self.rise_from:
+            self.spread_seen = (int(step) if math.isfinite(step) else 0, 1.0 - share)
+            self.seen_at_init = True
+
     def _embedding(
         self, share: float, spread: float, lo: float, hi: float, rows: float, final: str | None
     ) -> tuple[bool | None, Alert | None]:
@@ -332,6 +355,8 @@ class RepresentationCollapseRule(EpisodeRule):
             assert seen is not None
             line = self.jump_to
             how = f", down from {seen[1]:.1%} at step {seen[0]}"
+            if self.seen_at_init:  # the discovery forward's (a resumed run's: its first batch)
+                how += " (before the first update)" if seen[0] == 0 else " (the first batch)"
             self.count = max(self.count, self.patience - 1)  # the loss itself: one read
         elif spread >= limit and not (self.jump_to is not None and spread < 1.0 - self.jump_to):
             return False, None
@@ -357,6 +382,7 @@ class RepresentationCollapseRule(EpisodeRule):
             **super().state_dict(),
             "was_low": self.was_low,
             "spread_seen": seen,
+            "seen_at_init": self.seen_at_init,
             "final_norm": self.final_norm,
         }
 
@@ -366,6 +392,7 @@ class RepresentationCollapseRule(EpisodeRule):
         self.was_low = None if was_low is None else bool(was_low)
         seen = state.get("spread_seen")
         self.spread_seen = None if seen is None else (int(seen[0]), float(seen[1]))
+        self.seen_at_init = bool(state.get("seen_at_init", False))
         self.final_norm = state.get("final_norm")
 
 

@@ -278,7 +278,7 @@ class Monitor:
                 # this step's forwards run untapped; a sampled one is read at the next step
                 self._late_window = step + 1 if in_window else self._late_window
                 self._discovering = True
-                self._discovery_step = step
+                self._discovery_step = family.discovery_step = step
             elif step == 0 and is_compiled:
                 self._baseline_step = 1  # the first compiled forward must see the gate closed
         self._micro = self._micro + 1 if step == self._step_at_begin else 1

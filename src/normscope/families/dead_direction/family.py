@@ -94,6 +94,9 @@ class DeadDirectionFamily:
         #: ``k % spectral_every() == 0``, so the first read always is; its window folds full
         self.reads_taken = 0
         self._discovering = False
+        #: the optimiser steps done before the discovery forward (the engine sets it when
+        #: :meth:`first_batch` arms discovery; 0: a fresh run), the init reference's step
+        self.discovery_step = 0
         self._saved: dict[str, Any] = {}  # state loaded before the tracker existed
 
     # ------------------------------------------------------------ set-up
@@ -124,15 +127,16 @@ class DeadDirectionFamily:
 
     def first_batch(self, model: nn.Module, batch: Any) -> tuple[bool, bool]:
         """At the first batch: arm residual discovery on this batch's own training forward
-        (the points are decided at its end, :meth:`finish_discovery`), or -- with
-        ``example_forward`` or on a compiled model -- attach now with a forward of the
-        family's own. Returns ``(discovering, compiled)``."""
+        (the points are decided at its end, :meth:`finish_discovery`; the same forward gives
+        the final norm's offset share before the update, with the batch's padding mask), or
+        -- with ``example_forward`` or on a compiled model -- attach now with a forward of
+        the family's own. Returns ``(discovering, compiled)``."""
         assert self.tracker is not None
         self.tracker.snapshot_gain_baselines()  # the gains before the first step's update
         is_compiled = compiled(model)
         if self.tracker.residual and self.config.example_forward is None and not is_compiled:
             try:
-                self.tracker.start_discovery()
+                self.tracker.start_discovery(mask=batch_mask(batch))
             except Exception as err:  # noqa: BLE001 - e.g. no block stack: keep the norm reads
                 self._profile_off(f"{type(err).__name__}: {err}")
                 return False, is_compiled
@@ -147,8 +151,10 @@ class DeadDirectionFamily:
             return
         self._discovering = False
         assert self.tracker is not None
+        if self.tracker.init_reference is not None:
+            self.tracker.init_reference.step = self.discovery_step
         try:
-            self.tracker.attach()
+            self.tracker.attach()  # removes the discovery forward's hooks, whatever happens
         except Exception as err:  # noqa: BLE001 - discovery failed: keep the norm reads
             self._profile_off(
                 f"the training forward did not show the stream ({type(err).__name__}: {err})"

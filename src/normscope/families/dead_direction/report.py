@@ -47,6 +47,7 @@ CHEAP_SUMMARIES = frozenset(
         "rms_growth_max", "gamma_scale_min", "gamma_scale_max", "gamma_crossed_max",
         "final_offset_share", "final_out_offset_share", "final_rows_per_dim",
         "attn_logit_max", "attn_modules_read", "stream_failed",
+        "final_out_offset_share_init", "final_out_rows_init", "final_out_init_step",
     }
 )  # fmt: skip
 

@@ -107,7 +107,8 @@ def stream_keys(
     with the reads that compare with the tracker's memory (``gain_baselines``, each point's
     ``previous_rms``), and the run-level summaries. Returns ``(keys, baselines, rms)``: the
     keys, the gain baselines this first read of a norm sets and each point's RMS to keep for
-    the next read (the caller stores both)."""
+    the next read (the caller stores both). The first read after residual discovery also
+    holds the window's ``init`` keys (``final_out_offset_share_init``...)."""
     out = dict(solved)
     baselines: dict[str, torch.Tensor] = {}
     read: list[tuple[str, torch.Tensor, torch.Tensor]] = []
@@ -160,4 +161,6 @@ def stream_keys(
         if window.spectral:
             out["final_rankme"] = out.get(f"{final}/rankme", math.nan)
             out["final_rankme_centred"] = out.get(f"{final}/rankme_centred", math.nan)
+    if window.init:  # the first read after discovery: the final norm before the first update
+        out.update(window.init)
     return out, baselines, kept

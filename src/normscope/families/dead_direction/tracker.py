@@ -20,6 +20,7 @@ from torch import nn
 from normscope._common import warn_disabled, warn_rank_zero
 from normscope._distributed import read_share
 from normscope.families.budget import fit_budget, stream_width
+from normscope.families.dead_direction.init_reference import InitReference
 from normscope.families.dead_direction.read import finish_report, gather_records, solve_window
 from normscope.families.dead_direction.report import DeadDirectionReport
 from normscope.families.dead_direction.window import (
@@ -98,6 +99,8 @@ class DeadDirectionTracker:
         self._width: int | None = None
         self.profile_failed: str | None = None
         self._discovery: ResidualDiscovery | None = None
+        #: the final norm's rows on the discovery forward, until the first read takes them
+        self.init_reference: InitReference | None = None
         self.attached = False
         self.last_solves = 0  # jobs this process solved at the last read (a split read: a share)
         #: the open window folds the whole co-moment of every tap (its read computes the
@@ -132,11 +135,13 @@ class DeadDirectionTracker:
             self.model.train(was_training)
         return self.layout
 
-    def start_discovery(self) -> bool:
+    def start_discovery(self, mask: torch.Tensor | None = None) -> bool:
         """Arm residual discovery on the next forward the caller runs itself (a training step's
         own forward, :class:`~normscope.taps.residual.ResidualDiscovery`); the following
-        :meth:`attach` decides the points from it and registers the taps. False (nothing
-        armed) when ``residual`` is off or the points are known.
+        :meth:`attach` decides the points from it and registers the taps. The same forward
+        gives the final norm's offset share before its update (:class:`InitReference`, its
+        ``step`` 0 unless set; ``mask``: the batch's padding mask), logged by the first read.
+        False (nothing armed) when ``residual`` is off or the points are known.
 
         Raises:
             ResidualDiscoveryError: the model has no block stack.
@@ -145,6 +150,10 @@ class DeadDirectionTracker:
             return False
         if self._discovery is None:
             self._discovery = ResidualDiscovery(self.model, self.norms).install()
+            try:
+                self.init_reference = InitReference(self.norms, mask).install()
+            except Exception:  # noqa: BLE001 - no reference; discovery goes on
+                self._drop_init()
         return True
 
     def attach(self, forward: ForwardFn | None = None) -> None:
@@ -156,10 +165,15 @@ class DeadDirectionTracker:
             return
         if self.layout is None and self._discovery is not None:
             discovery, self._discovery = self._discovery, None
+            init, self.init_reference = self.init_reference, None
+            if init is not None:
+                init.remove()  # first: discovery may fail below
             if self.residual:
                 self.layout = discovery.finish()  # removes its hooks first, whatever it finds
             else:
                 discovery.remove()
+            if init is not None and self.layout is not None:
+                self.init_reference = init.settle(self.layout.final_norm, init.step)
         elif self.layout is None:
             self.discover(forward)
         if self.layout is not None and self.config.layers != "auto":
@@ -290,11 +304,17 @@ class DeadDirectionTracker:
         if self._discovery is not None:
             self._discovery.remove()
             self._discovery = None
+        self._drop_init()
         self.taps.remove()
         if self.attention is not None:
             self.attention.remove()
             self.attention = None
         self.attached = False
+
+    def _drop_init(self) -> None:
+        if self.init_reference is not None:
+            self.init_reference.remove()
+            self.init_reference = None
 
     def open_window(self, full: bool) -> None:
         """Decide how the window about to open folds its rows: the whole co-moment of every tap
@@ -386,6 +406,8 @@ class DeadDirectionTracker:
             self.split.reduce_()  # source names agreed across ranks first
         if self.attention is not None:
             self.attention.reduce_()
+        if self.init_reference is not None:  # the first read after discovery only
+            self.init_reference.reduce_()
 
     def take(self, step: int, *, swap: bool) -> ReadWindow:
         """Freeze the window (after :meth:`reduce`). ``swap`` (an asynchronous read): every
@@ -427,7 +449,9 @@ class DeadDirectionTracker:
             null_tol=self.config.null_tol,
             placement=self.placement,
             spectral=spectral,
+            init=self.init_reference.take() if self.init_reference is not None else None,
         )
+        self.init_reference = None  # given once: a key is absent afterwards, never stale
         window.covers = covered(window) if spectral else {}
         if self.attention is not None:  # swapped: the live maxima start over; else reset() does
             window.attention = self.attention.take() if swap else dict(self.attention.maxima)

@@ -47,6 +47,9 @@ class ReadWindow:
     gamma_reads: dict[str, GammaRead] = field(default_factory=dict)
     #: the spectral tier is read too (docs/costs.md, "Tiers"); False: the cheap tier only
     spectral: bool = True
+    #: the final norm's offset share on the discovery forward, its rows and step: the first
+    #: read after discovery only (:mod:`~normscope.families.dead_direction.init_reference`)
+    init: dict[str, float] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the read reads (for ``record_stream`` on a side CUDA stream)."""
