@@ -181,3 +181,48 @@ def test_padded_query_rows_are_left_out(qk):
     assert sdpa_logit_max(q2, k, query_mask=rows).item() == pytest.approx(got, rel=1e-12)
     assert sdpa_logit_max(q2, k).item() > 10 * got
     assert query_rows(pad, 3, 8) is None and query_rows(None, 3, 7) is None
+
+
+def test_sdpa_read_at_sampled_positions_matches_numpy_on_those_rows(qk):
+    """The row budget: only the query rows at ``positions`` (of every sequence and head), every
+    key, each mask taken at those rows -- against numpy on the same rows (1e-12: float64)."""
+    q, k = qk
+    at = torch.tensor([1, 4, 6])
+    rows = at.numpy()
+    causal = np.tril(np.ones((7, 9), bool))[rows]
+    got = sdpa_logit_max(q, k, is_causal=True, positions=at).item()
+    assert got == pytest.approx(_reference(q[..., rows, :], k, keep=causal), rel=1e-12)
+    g = torch.Generator().manual_seed(3)
+    keep = torch.rand(3, 1, 7, 9, generator=g) > 0.5
+    keep[..., 0] = True
+    got = sdpa_logit_max(q, k, attn_mask=keep, positions=at).item()
+    assert got == pytest.approx(
+        _reference(q[..., rows, :], k, keep=keep.numpy()[..., rows, :]), rel=1e-12
+    )
+    add = torch.randn(7, 9, generator=g, dtype=torch.float64)
+    got = sdpa_logit_max(q, k, attn_mask=add, positions=at).item()
+    assert got == pytest.approx(_reference(q[..., rows, :], k, add=add.numpy()[rows]), rel=1e-12)
+    pad = torch.ones(3, 7, dtype=torch.long)
+    pad[:, 6] = 0  # the last position is padding everywhere: of the sampled rows, 1 and 4 count
+    q2 = q.clone()
+    q2[:, :, 6] *= 100
+    got = sdpa_logit_max(q2, k, query_mask=query_rows(pad, 3, 7), positions=at).item()
+    assert got == pytest.approx(_reference(q[..., [1, 4], :], k), rel=1e-12)
+    # a position never drawn is never read: a huge logit at row 0 does not show
+    q3 = q.clone()
+    q3[:, :, 0] *= 100
+    assert sdpa_logit_max(q3, k, positions=at).item() == pytest.approx(
+        sdpa_logit_max(q, k, positions=at).item(), rel=1e-12
+    )
+
+
+def test_sample_positions_keeps_the_budget_and_draws_anew():
+    g = torch.Generator().manual_seed(0)
+    first = att.sample_positions(64, 32, 1024, g)
+    assert first.numel() == 32 and first.unique().numel() == 32  # ceil(1024 / 32), distinct
+    assert torch.equal(first, first.sort().values) and 0 <= first.min() and first.max() < 64
+    assert not torch.equal(first, att.sample_positions(64, 32, 1024, g))  # a new draw each call
+    assert att.sample_positions(64, 32, 1000, g).numel() == 32  # rounded up: ceil(1000 / 32)
+    assert att.sample_positions(64, 32, 2048, g) is None  # the budget covers every row
+    assert att.sample_positions(64, 32, None, g) is None
+    assert att.sample_positions(64, 1000, 10, g).numel() == 1  # at least one position

@@ -15,6 +15,8 @@ from examples.nanogpt import GPT, GPTConfig
 from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 
+from normscope import DeadDirectionConfig, Monitor
+from normscope.functional.attention import sample_positions
 from normscope.taps.attention import AttentionLogits, find_attention_modules
 from normscope.taps.hooks import Gate
 from tests.support.hf_models import build_hf_model
@@ -50,6 +52,49 @@ def test_nanogpt_read_equals_its_causal_logits_rebuilt_by_hand():
             torch.ones(16, 16, dtype=torch.bool).triu(1), -math.inf
         )
         assert got[name] == pytest.approx(logits.max().item(), rel=1e-5)  # float32 forward
+
+
+def test_nanogpt_read_on_a_row_budget_takes_the_drawn_query_positions():
+    """``max_rows``: a forward of more token rows than the budget reads the queries of
+    ``ceil(budget / batch)`` positions, drawn from the tap's own seeded generator, against every
+    key; the read equals the logits rebuilt by hand at the positions the same draw gives."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
+    x = torch.randint(0, 256, (3, 16))
+    qkv = {}
+    hook = model.transformer.h[0].attn.c_attn.register_forward_hook(
+        lambda m, a, o: qkv.__setitem__(0, o)
+    )
+    gate = Gate()
+    logits = AttentionLogits(model, ["transformer.h.0.attn"], gate, max_rows=12, seed=5)
+    with torch.no_grad(), gate.sampling():
+        model(x)
+    got = logits.take()["transformer.h.0.attn"].item()
+    logits.remove()
+    hook.remove()
+    at = sample_positions(16, 3, 12, torch.Generator().manual_seed(5))  # the same first draw
+    assert at.numel() == 4  # ceil(12 rows / 3 sequences)
+    q, k, _ = qkv[0].double().split(32, dim=2)
+    q, k = (t.view(3, 16, 4, 8).transpose(1, 2) for t in (q, k))
+    full = (q @ k.mT / math.sqrt(8)).masked_fill(
+        torch.ones(16, 16, dtype=torch.bool).triu(1), -math.inf
+    )
+    assert got == pytest.approx(full[..., at, :].max().item(), rel=1e-5)  # float32 forward
+    assert got <= full.max().item() * (1 + 1e-6)
+
+
+def test_the_monitor_gives_the_attention_read_the_streams_row_budget():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16))
+    monitor = Monitor.of(DeadDirectionConfig(), model, every_n_steps=1, alerts=(), verbose=False)
+    x = torch.randint(0, 256, (64, 16))
+    for _ in range(2):  # discovery's step, then the first read
+        with monitor.step(x):
+            model(x)
+    tracker = monitor.family.tracker
+    assert tracker.attention.max_rows == tracker.rows_per_forward(32) == 256  # 8 d of 1024 rows
+    assert monitor.last_report is not None
+    monitor.detach()
 
 
 def test_multiheadattention_read_equals_its_logits():

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["logit_max", "mha_logit_max", "query_rows", "sdpa_logit_max"]
+__all__ = ["logit_max", "mha_logit_max", "query_rows", "sample_positions", "sdpa_logit_max"]
 
 #: entries of query-key products formed at once by :func:`sdpa_logit_max` (float32: 64 MiB)
 CHUNK_ENTRIES = 1 << 24
@@ -33,6 +33,30 @@ def query_rows(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tens
     if mask is None or mask.ndim != 2 or tuple(mask.shape) != (batch, length):
         return None
     return mask != 0
+
+
+def sample_positions(
+    length: int, sequences: int, max_rows: int | None, generator: torch.Generator
+) -> torch.Tensor | None:
+    """The query positions a read of ``sequences`` sequences of ``length`` tokens takes under a
+    budget of ``max_rows`` token rows: ``ceil(max_rows / sequences)`` positions drawn uniformly
+    without replacement (ascending, on the CPU), the same in every sequence and head; None
+    (every position) when the budget covers them all or there is none.
+
+    Example::
+
+        >>> import torch
+        >>> sample_positions(64, 32, 1024, torch.Generator().manual_seed(0)).numel()
+        32
+        >>> sample_positions(64, 32, 4096, torch.Generator()) is None
+        True
+    """
+    if max_rows is None or length <= 0 or sequences * length <= max_rows:
+        return None
+    take = max(1, -(-int(max_rows) // max(int(sequences), 1)))
+    if take >= length:
+        return None
+    return torch.randperm(length, generator=generator)[:take].sort().values
 
 
 def _rows_kept(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -72,6 +96,7 @@ def sdpa_logit_max(
     scale: float | None = None,
     enable_gqa: bool = False,
     query_mask: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The largest logit ``scale * q_i . k_j`` over the pairs that take part, for the arguments of
     :func:`torch.nn.functional.scaled_dot_product_attention` (same shapes and meaning: ``query``
@@ -81,7 +106,10 @@ def sdpa_logit_max(
     of query heads), and ``query_mask`` ``(batch, L)`` (True keeps a query row: padding left out;
     ``query`` laid out ``(batch, ..., L, E)``). The products are formed in float32 (float64 for float64 inputs), a block of
     query rows at a time (at most :data:`CHUNK_ENTRIES` entries), so memory stays bounded at long
-    context; the cost is one ``q k^T`` of the attention, once per call.
+    context; the cost is one ``q k^T`` of the attention, once per call. ``positions`` (1-D
+    integer, ascending, in ``[0, L)``) reads those query positions only (of every sequence and
+    head: :func:`sample_positions`), against every key, masks applied as at those positions;
+    the cost falls to ``len(positions) / L`` of it.
 
     Example::
 
@@ -124,21 +152,23 @@ def sdpa_logit_max(
     # unless an additive mask must be added to the scaled logits first
     late = s > 0 and not additive
     best = torch.full((), -math.inf, dtype=torch.float64, device=q.device)
-    for lo in range(0, length, block):
-        hi = min(length, lo + block)
-        logits = q[..., lo:hi, :].to(work) @ kt  # a fresh tensor: masked in place below
+    where = None if positions is None else positions.to(device=q.device, dtype=torch.long)
+    rows_read = length if where is None else int(where.numel())
+    for lo in range(0, rows_read, block):
+        hi = min(rows_read, lo + block)
+        at = None if where is None else where[lo:hi]  # the query positions of this block
+        block_q = q[..., lo:hi, :] if at is None else q.index_select(-2, at)
+        logits = block_q.to(work) @ kt  # a fresh tensor: masked in place below
         if not late:
             logits.mul_(s)
         keep = None
         if is_causal:
-            i = torch.arange(lo, hi, device=q.device).unsqueeze(-1)
+            i = (torch.arange(lo, hi, device=q.device) if at is None else at).unsqueeze(-1)
             keep = torch.arange(span, device=q.device) <= i
         if attn_mask is not None:
-            m = (
-                attn_mask[..., lo:hi, :]
-                if attn_mask.ndim >= 2 and attn_mask.shape[-2] > 1
-                else attn_mask
-            )
+            m = attn_mask
+            if attn_mask.ndim >= 2 and attn_mask.shape[-2] > 1:
+                m = attn_mask[..., lo:hi, :] if at is None else attn_mask.index_select(-2, at)
             if not additive:
                 keep = m if keep is None else keep & m
             else:
@@ -151,7 +181,10 @@ def sdpa_logit_max(
                 logits.add_(bias)
             else:  # a mask with more leading dimensions than the logits: broadcast up
                 logits = logits + bias
-        rows = None if query_mask is None else query_mask[:, lo:hi].to(logits.device)
+        rows = None
+        if query_mask is not None:
+            kept = query_mask[:, lo:hi] if at is None else query_mask.index_select(1, at)
+            rows = kept.to(logits.device)
         top = logit_max(logits, rows)
         best = torch.maximum(best, top * s if late else top)
     return best

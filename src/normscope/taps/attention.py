@@ -8,7 +8,9 @@ duration of that module's forward alone; the mode sees the module's calls of
 * ``torch.nn.functional.scaled_dot_product_attention`` (nanoGPT, Hugging Face's ``sdpa``
   attention, Llama's with its grouped keys): the logits are re-formed from its query and key
   (after RoPE or qk-layernorm, as the attention sees them) with its mask
-  (:func:`~normscope.functional.attention.sdpa_logit_max`), at the cost of one ``q k^T``;
+  (:func:`~normscope.functional.attention.sdpa_logit_max`), at the cost of one ``q k^T`` --
+  of the queries at a sample of positions when the batch holds more token rows than the read's
+  row budget (``max_rows``: every key, ``ceil(budget / batch)`` query positions);
 * ``softmax`` (``torch.softmax``, ``Tensor.softmax``, ``F.softmax``: hand-written attention,
   Hugging Face's ``eager``): its input is the logits, mask included
   (:func:`~normscope.functional.attention.logit_max`), at the cost of one reduction,
@@ -39,7 +41,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from normscope._common import warn_disabled
-from normscope.functional.attention import logit_max, mha_logit_max, query_rows, sdpa_logit_max
+from normscope.functional.attention import (
+    logit_max,
+    mha_logit_max,
+    query_rows,
+    sample_positions,
+    sdpa_logit_max,
+)
 from normscope.taps.hooks import Gate, in_backward_recompute
 
 __all__ = ["ATTENTION_CLASS", "AttentionLogits", "find_attention_modules"]
@@ -106,6 +114,12 @@ class AttentionLogits:
         model: the model.
         names: the attention modules' paths (:func:`find_attention_modules`).
         gate: the shared :class:`~normscope.taps.hooks.Gate`; nothing is read while it is closed.
+        max_rows: the read's row budget per forward, in token rows (the tracker sets it to what
+            a stream tap keeps): a scaled-dot-product call over more rows reads the queries of
+            ``ceil(max_rows / batch)`` positions drawn anew each call (seeded, the same in
+            every sequence and head) against every key. None reads every query. A softmax's
+            input (the logits exist already) is read whole.
+        seed: the seed of those draws.
 
     Example::
 
@@ -125,9 +139,19 @@ class AttentionLogits:
         >>> logits.remove()
     """
 
-    def __init__(self, model: nn.Module, names: Sequence[str], gate: Gate) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Sequence[str],
+        gate: Gate,
+        *,
+        max_rows: int | None = None,
+        seed: int = 0,
+    ) -> None:
         self.names = list(names)
         self.gate = gate
+        self.max_rows = max_rows
+        self._positions = torch.Generator().manual_seed(seed)  # on the CPU: no device sync
         self.maxima: dict[str, torch.Tensor | None] = dict.fromkeys(self.names)
         self.calls: dict[str, int] = dict.fromkeys(self.names, 0)  # calls read this window
         self.failed: dict[str, str] = {}
@@ -175,6 +199,7 @@ class AttentionLogits:
             if func is _SDPA:
                 bound = _bind(_SDPA_ARGS, args, kwargs)
                 q = bound["query"]
+                sequences = q.shape[0] if q.ndim >= 3 else 1
                 value = sdpa_logit_max(
                     q,
                     bound["key"],
@@ -183,6 +208,9 @@ class AttentionLogits:
                     bound.get("scale"),
                     bool(bound.get("enable_gqa", False)),
                     query_mask=query_rows(self.gate.mask, q.shape[0], q.shape[-2]),
+                    positions=sample_positions(
+                        q.shape[-2], sequences, self.max_rows, self._positions
+                    ),
                 )
             elif func is _MHA:
                 bound = _bind(_MHA_ARGS, args, kwargs)

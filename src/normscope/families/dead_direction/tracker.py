@@ -205,6 +205,7 @@ class DeadDirectionTracker:
         self._apply_rows()
         if self.attention_names and self.attention is None:
             self.attention = AttentionLogits(self.model, self.attention_names, self.gate)
+            self._apply_rows()  # the attention read's query budget
         self.attached = True
         self.snapshot_gain_baselines()
 
@@ -247,6 +248,8 @@ class DeadDirectionTracker:
         chain = self.taps.chain
         if chain is not None and chain.taps:
             chain.max_rows = self.rows_per_forward(chain.taps[0].dim)
+        if self.attention is not None and self.norms:  # queries: the stream's row budget
+            self.attention.max_rows = self.rows_per_forward(self.norms[0].dim)
 
     # --------------------------------------------------------------- sources
     def label(self, batch: Any) -> SourceLabels | None:
