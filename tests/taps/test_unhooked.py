@@ -10,8 +10,11 @@ import math
 import pytest
 import torch
 from examples.nanogpt import GPT, GPTConfig, make_optimizer
+from torch import nn
 
 from normscope import DeadDirectionConfig, Monitor
+from normscope.taps.attention import AttentionLogits
+from normscope.taps.hooks import Gate, TapSet
 
 torch.set_num_threads(1)
 STEPS = 7
@@ -100,3 +103,61 @@ def test_gradient_accumulation_and_a_deferred_read_fold_what_they_folded():
     assert all(counts == fresh for counts in after)
     assert reads and during.count(2) > 2 * len(reads)  # windows of several steps
     assert_same_reads(reads, kept)
+
+
+def test_tapset_unhook_and_hook_keep_the_rows_and_are_idempotent():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    taps = TapSet(model, Gate())
+    tap = taps.add("1", "output", dim=8)
+    with taps.gate.sampling():
+        model(torch.randn(32, 4))
+    taps.unhook()
+    taps.unhook()
+    assert not taps.hooked and not model[1]._forward_hooks
+    with taps.gate.sampling():
+        model(torch.randn(32, 4))  # unhooked: not read
+    assert tap.accumulator.count == 32
+    taps.hook()
+    taps.hook()
+    assert taps.hooked and len(model[1]._forward_hooks) == 1
+    with taps.gate.sampling():
+        model(torch.randn(32, 4))
+    assert tap.accumulator.count == 64  # the same accumulator goes on
+    taps.remove()
+    assert not model[1]._forward_hooks
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.logits: AttentionLogits | None = None
+        self.unhooked_inside: list[bool] = []
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        if self.logits is not None:
+            self.unhooked_inside.append(self.logits.unhook())
+        return (q @ k.mT).softmax(-1)
+
+
+def test_attention_unhook_waits_for_the_forward_it_reads():
+    model = _Attention()
+    logits = AttentionLogits(model, [""], Gate())
+    q, k = torch.eye(3) * 2, torch.eye(3) * 3
+    model.logits = logits
+    with logits.gate.sampling():
+        model(q, k)
+    assert model.unhooked_inside == [False]  # mid-read: its forward hook must end the read
+    assert logits.hooked and logits.take()[""].item() == 6.0
+    model.logits = None
+    assert logits.unhook() and not logits.hooked
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    with logits.gate.sampling():
+        model(q, k)
+    assert logits.take()[""] is None  # unhooked: nothing read
+    logits.hook()
+    logits.hook()
+    assert len(model._forward_hooks) == 1 and len(model._forward_pre_hooks) == 1
+    with logits.gate.sampling():
+        model(q, k)
+    assert logits.take()[""].item() == 6.0
+    logits.remove()
