@@ -43,6 +43,9 @@ def test_a_fabric_watched_model_saves_copies_and_ends_unhooked(recipe):
     bare = loops.gpt2(cancel=False)
     model, optimizer = fabric.setup(bare, torch.optim.SGD(bare.parameters(), lr=loops.LR))
     _fabric_steps(fabric, model, optimizer, 3)
+    monitor.tracker.taps.hook()  # as in a sampled window (between windows none is registered)
+    if monitor.tracker.attention is not None:
+        monitor.tracker.attention.hook()
     assert normscope_hooks(bare) > 0 and monitor.reads == 1
     buffer = io.BytesIO()
     torch.save(bare, buffer)  # failed before: "Can't pickle local object ... hook"

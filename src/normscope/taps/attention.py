@@ -158,16 +158,39 @@ class AttentionLogits:
         self.devices: dict[str, torch.device] = {}
         self._modes: dict[str, list[TorchFunctionMode]] = {n: [] for n in self.names}
         self._handles: list[Any] = []
+        self._modules: dict[str, nn.Module] = {}
         for name in self.names:
-            module = model.get_submodule(name)
+            module = self._modules[name] = model.get_submodule(name)
             self.devices[name] = next(
                 (p.device for p in module.parameters()),
                 next((p.device for p in model.parameters()), torch.device("cpu")),
             )
-            hook = _Enter(self, name)
-            self._handles.append(module.register_forward_pre_hook(hook))
-            self._handles.append(module.register_forward_hook(_Exit(self, name), always_call=True))
+        self.hook()
         weakref.finalize(self, _remove, self._handles)
+
+    # ------------------------------------------------------------------ registration
+    @property
+    def hooked(self) -> bool:
+        """Whether the hooks are registered on the model."""
+        return bool(self._handles)
+
+    def hook(self) -> None:
+        """Register each module's pre-hook and forward hook (``always_call``), unless they are
+        registered already (done at construction; again after :meth:`unhook`)."""
+        if self._handles:
+            return
+        for name, module in self._modules.items():
+            self._handles.append(module.register_forward_pre_hook(_Enter(self, name)))
+            self._handles.append(module.register_forward_hook(_Exit(self, name), always_call=True))
+
+    def unhook(self) -> bool:
+        """Take the hooks off the model between sampled windows (the maxima stay; :meth:`hook`
+        puts them back). Not while a module's forward is being read: its forward hook must
+        still end the read. Returns whether the hooks are off."""
+        if any(self._modes.values()):
+            return False
+        _remove(self._handles)
+        return True
 
     # ------------------------------------------------------------------ hooks
     def enter(self, name: str) -> None:

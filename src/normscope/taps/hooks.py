@@ -1,11 +1,13 @@
 """Hooking tapped tensors into float64 accumulators: registered once, gated, masked, fail-open.
 
-A :class:`TapSet` owns every hook normscope adds to a model. Hooks are registered **once** (at
-attach time) and stay registered; between sampled steps each hook returns at its first line,
-on a plain Python flag (:attr:`Gate.open`), so it does no device work and no host sync.
-torch.compile needs exactly this: hooks fixed before compiling, never added or removed after.
-Under compile the gate check is traced (dynamo guards on it: one graph with the gate open, one
-closed, both cached) and the fold itself is excluded from the graph (``torch.compiler.disable``).
+A :class:`TapSet` owns every hook normscope adds to a model. Each hook reads a plain Python
+flag first (:attr:`Gate.open`) and returns at once while it is closed: no device work, no host
+sync. On an eager model a family may also take the hooks off between its sampled windows
+(:meth:`TapSet.unhook`, :meth:`TapSet.hook`), so that an unsampled forward pays nothing, not
+even PyTorch's hooked-call path. torch.compile needs them fixed instead: registered before
+compiling, never added or removed after. Under compile the gate check is traced (dynamo guards
+on it: one graph with the gate open, one closed, both cached) and the fold itself is excluded
+from the graph (``torch.compiler.disable``).
 
 On a sampled forward a hook folds its tensor's rows into its accumulator (a
 :class:`StreamingCovariance` unless the tap was added with another, such as the sign–magnitude
@@ -214,13 +216,38 @@ class TapSet:
                 acc = make(dim, device)
             tap = self.taps[key] = Tap(module_name, where, dim, acc)
         if key not in self._handles:
-            hook = _TapHook(self, tap)
-            if where == "input":
-                handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-            else:
-                handle = module.register_forward_hook(hook)
-            self._handles[key] = handle
+            self._register(tap, module)
         return tap
+
+    def _register(self, tap: Tap, module: nn.Module | None = None) -> None:
+        if module is None:
+            module = self.model.get_submodule(tap.module_name)
+        hook = _TapHook(self, tap)
+        if tap.where == "input":
+            handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        else:
+            handle = module.register_forward_hook(hook)
+        self._handles[tap.key] = handle
+
+    @property
+    def hooked(self) -> bool:
+        """Whether any of this set's hooks is registered on the model."""
+        return bool(self._handles)
+
+    def hook(self) -> None:
+        """Register again the hook of every tap whose hook is not registered (after
+        :meth:`unhook`; a failed tap stays off). Idempotent and cheap: one
+        ``register_forward_(pre_)hook`` per missing tap, no device work. Hooks added again
+        run after any the model got since they were first added."""
+        for key, tap in self.taps.items():
+            if key not in self._handles and tap.failed is None:
+                self._register(tap)
+
+    def unhook(self) -> None:
+        """Take every hook off the model, keeping the taps, their accumulators and the open
+        window's rows (:meth:`hook` puts them back). Never on a ``torch.compile``d model:
+        dynamo guards on the hooks, so adding or removing them recompiles."""
+        _remove_handles(self._handles)
 
     def chain_points(
         self,

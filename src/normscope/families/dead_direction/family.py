@@ -98,6 +98,11 @@ class DeadDirectionFamily:
         #: :meth:`first_batch` arms discovery; 0: a fresh run), the init reference's step
         self.discovery_step = 0
         self._saved: dict[str, Any] = {}  # state loaded before the tracker existed
+        #: keep every hook registered between sampled windows (a compiled model, learned at
+        #: :meth:`first_batch`); False: they are registered at :meth:`open`, removed at
+        #: :meth:`close` (docs/costs.md, "Between sampled steps")
+        self.keep_hooks = False
+        self._model: nn.Module | None = None  # the model the first batch ran
 
     # ------------------------------------------------------------ set-up
     def check_loop(self, precision: str) -> None:
@@ -134,6 +139,8 @@ class DeadDirectionFamily:
         assert self.tracker is not None
         self.tracker.snapshot_gain_baselines()  # the gains before the first step's update
         is_compiled = compiled(model)
+        self._model = model  # open() looks again: a model compiled after the first batch
+        self.keep_hooks = self.keep_hooks or is_compiled
         if self.tracker.residual and self.config.example_forward is None and not is_compiled:
             try:
                 self.tracker.start_discovery(mask=batch_mask(batch))
@@ -254,12 +261,47 @@ class DeadDirectionFamily:
         tracker.gate.mask = batch_mask(batch)
         tracker.gate.sources = tracker.label(batch)
         tracker.gate.open = True
+        self._hook()
 
     def close(self) -> None:
+        """Close the gate after a micro-batch's forwards (validation, an exception); on an
+        eager model also take the hooks off, until the next :meth:`open`."""
         if self.tracker is not None:
             self.tracker.gate.open = False
             self.tracker.gate.mask = None
             self.tracker.gate.sources = None
+            self._unhook()
+
+    # Hooks between sampled windows. On an eager model no hook of this family is registered
+    # between them: every hooked module would otherwise take PyTorch's slow call path and run
+    # a Python call per hook at every step (measured +0.2% a step on the demo GPT at width
+    # 128, docs/costs.md). A window's micro-batches and a deferred read's steps each open
+    # and close, so the hooks come back at each open (~40 registrations on sampled steps
+    # only); the accumulators and the open window's rows are the taps', not the hooks'.
+    # They stay registered (the Gate still checked first in every hook) where removal is
+    # unsafe: a compiled model (dynamo guards on the hooks: adding or removing recompiles),
+    # and an attention module whose forward is still being read (its forward hook ends the
+    # read). Residual discovery's and the init reference's temporary hooks are their own.
+    def _hook(self) -> None:
+        tracker = self.tracker
+        if tracker is None or not tracker.attached:
+            return
+        if not self.keep_hooks and not tracker.taps.hooked:
+            # a model compiled after the first batch keeps them from now on (one recompile)
+            self.keep_hooks = self._model is not None and compiled(self._model)
+        tracker.taps.hook()
+        if tracker.attention is not None:
+            tracker.attention.hook()
+
+    def _unhook(self) -> None:
+        tracker = self.tracker
+        if tracker is None or self.keep_hooks or not tracker.attached:
+            return
+        if tracker.attention is not None and tracker.attention.hooked:
+            if not tracker.attention.unhook():
+                return
+        if tracker.taps.hooked:
+            tracker.taps.unhook()
 
     def rows(self) -> torch.Tensor:
         """The window's smallest row count over the live taps (a device tensor)."""
