@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 __all__ = [
+    "gpt_copy",
+    "gpt_step",
     "machine",
     "machine_line",
     "markdown_table",
@@ -180,3 +182,44 @@ def peak_rss_reset() -> bool:
         return True
     except OSError:
         return False
+
+
+def gpt_step(model: Any, opt: Any, monitor: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Seconds of one training step of ``examples/nanogpt.py``'s GPT on ``(x, y)``: forward and
+    backward inside ``monitor.step`` when there is a monitor, then the optimiser's step."""
+    start = time.perf_counter()
+    if monitor is None:
+        _, loss = model(x, y)
+        loss.backward()
+    else:
+        with monitor.step((x, y)):
+            _, loss = model(x, y)
+            loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def gpt_copy(base: Any, config: dict[str, Any] | None, every_n_steps: int) -> tuple[Any, Any, Any]:
+    """``(model, optimiser, monitor)``: a deep copy of ``base`` (``examples/nanogpt.py``'s GPT),
+    its AdamW (lr 1e-3, weight decay 0.1) and, unless ``config`` is None, a quiet dead-direction
+    monitor (``DeadDirectionConfig(**config)``: no rules, no printing, no overhead warning)."""
+    import copy
+
+    from examples.nanogpt import make_optimizer
+
+    from normscope import DeadDirectionConfig, Monitor
+
+    model = copy.deepcopy(base)
+    opt = make_optimizer(model, 1e-3, 0.1)
+    monitor = None
+    if config is not None:
+        monitor = Monitor.of(
+            DeadDirectionConfig(**config),
+            model,
+            every_n_steps=every_n_steps,
+            alerts=(),
+            verbose=False,
+            overhead_warn=None,
+        )
+    return model, opt, monitor

@@ -20,19 +20,17 @@ positions. Two measurements:
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: examples
+from _common import gpt_copy, gpt_step  # noqa: E402
 from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
 
-from normscope import DeadDirectionConfig, Monitor  # noqa: E402
 from normscope.alerts import AttentionLogitRule  # noqa: E402
 from normscope.taps.attention import AttentionLogits, find_attention_modules  # noqa: E402
 from normscope.taps.hooks import Gate  # noqa: E402
@@ -96,36 +94,15 @@ def cost(steps: int) -> dict[str, float]:
     }
     copies = {}
     for name, cfg in configs.items():
-        model = copy.deepcopy(base)
-        opt = make_optimizer(model, 1e-3, 0.1)
-        mon = None
-        if cfg is not None:
-            mon = Monitor.of(
-                DeadDirectionConfig(**cfg),
-                model,
-                every_n_steps=1,
-                alerts=(),
-                verbose=False,
-                overhead_warn=None,
-            )
-        copies[name] = (model, opt, mon)
+        copies[name] = gpt_copy(base, cfg, every_n_steps=1)
     times: dict[str, list[float]] = {name: [] for name in copies}
     for it in range(steps):
         for name, (model, opt, mon) in copies.items():
             if name == "every query" and mon.family.tracker.attention is not None:
                 mon.family.tracker.attention.max_rows = None  # after attach sets the budget
-            start = time.perf_counter()
-            if mon is None:
-                _, loss = model(x, y)
-                loss.backward()
-            else:
-                with mon.step((x, y)):
-                    _, loss = model(x, y)
-                    loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            seconds = gpt_step(model, opt, mon, x, y)
             if it >= 4:  # discovery's step and the first, spectral, read left out
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
     plain = statistics.median(times["none"])
     return {name: (statistics.median(t) - plain) / plain for name, t in times.items()}
 

@@ -13,19 +13,16 @@ plain step, with the mean's standard error.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: examples
-from examples.nanogpt import GPT, GPTConfig, make_optimizer  # noqa: E402
-
-from normscope import DeadDirectionConfig, Monitor  # noqa: E402
+from _common import gpt_copy, gpt_step  # noqa: E402
+from examples.nanogpt import GPT, GPTConfig  # noqa: E402
 
 
 def run(width: int, steps: int, skip: int = 5) -> dict[str, tuple[float, float, float]]:
@@ -36,34 +33,13 @@ def run(width: int, steps: int, skip: int = 5) -> dict[str, tuple[float, float, 
     y = torch.randint(0, 256, (32, 64))
     copies = {}
     for name in ("none", "idle", "none (control)"):
-        model = copy.deepcopy(base)
-        opt = make_optimizer(model, 1e-3, 0.1)
-        mon = None
-        if name == "idle":
-            mon = Monitor.of(
-                DeadDirectionConfig(),
-                model,
-                every_n_steps=10**6,
-                alerts=(),
-                verbose=False,
-                overhead_warn=None,
-            )
-        copies[name] = (model, opt, mon)
+        copies[name] = gpt_copy(base, {} if name == "idle" else None, every_n_steps=10**6)
     times: dict[str, list[float]] = {name: [] for name in copies}
     for it in range(steps):
         for name, (model, opt, mon) in copies.items():
-            start = time.perf_counter()
-            if mon is None:
-                _, loss = model(x, y)
-                loss.backward()
-            else:
-                with mon.step((x, y)):
-                    _, loss = model(x, y)
-                    loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            seconds = gpt_step(model, opt, mon, x, y)
             if it >= skip:  # the first batch (discovery, the first read) left out
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
     plain = statistics.median(times["none"])
     out = {}
     for name in ("idle", "none (control)"):
