@@ -36,6 +36,7 @@ from normscope._common import warn_disabled
 from normscope.functional.covariance import StreamingCovariance, pick_rows
 
 __all__ = [
+    "InertCopy",
     "batch_mask",
     "call_model",
     "Accumulator",
@@ -350,10 +351,23 @@ def _inert_hook() -> Any:
     return _inert
 
 
-class _TapHook:
+class InertCopy:
+    """Base of a normscope hook that pickles and deep-copies as a hook doing nothing, so a
+    hooked model can be saved with ``torch.save(model)``, copied (an EMA teacher made by
+    ``deepcopy``) or exported whole, and the copy is never watched."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return (_inert_hook, ())
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _inert
+
+
+class _TapHook(InertCopy):
     """One tap's forward (pre-)hook. It holds its :class:`TapSet` weakly and pickles (and
-    deep-copies) as :func:`_inert`, so a hooked model can be saved with ``torch.save(model)``,
-    copied or exported whole, and a copy is never watched."""
+    deep-copies) as :func:`_inert` (:class:`InertCopy`)."""
 
     __slots__ = ("_set", "tap", "_input")
 
@@ -369,12 +383,6 @@ class _TapHook:
         # a pre-hook (with_kwargs) gets (module, args, kwargs), a post-hook (module, args, out)
         taps._fold(self.tap, tap_input(args, extra) if self._input else tap_output(extra))
         return None
-
-    def __reduce__(self) -> tuple[Any, tuple]:
-        return (_inert_hook, ())
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        return _inert
 
 
 def _module_device(module: nn.Module, model: nn.Module) -> torch.device:

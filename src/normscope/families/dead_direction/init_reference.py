@@ -36,7 +36,7 @@ from torch import nn
 from normscope._distributed import any_rank
 from normscope.functional.covariance import StreamingCovariance
 from normscope.functional.stream import offset_share
-from normscope.taps.hooks import in_backward_recompute, tap_output
+from normscope.taps.hooks import InertCopy, in_backward_recompute, tap_output
 from normscope.taps.norms import NormLayer
 
 __all__ = ["INIT_KEYS", "InitReference"]
@@ -149,9 +149,9 @@ class InitReference:
         return dict(zip(INIT_KEYS, (share, float(n), float(self.step))))
 
 
-class _Fold:
-    """One norm's hook. It pickles and deep-copies as a no-op, so a model copied or saved
-    during the discovery step (an EMA teacher made by ``deepcopy``) is never read."""
+class _Fold(InertCopy):
+    """One norm's hook. It pickles and deep-copies as a no-op (:class:`InertCopy`), so a model
+    copied or saved during the discovery step is never read."""
 
     __slots__ = ("ref", "name")
 
@@ -160,20 +160,6 @@ class _Fold:
 
     def __call__(self, module: nn.Module, args: tuple, output: object) -> None:
         self.ref.fold(self.name, output)
-
-    def __reduce__(self) -> tuple[Any, tuple]:
-        return (_inert_hook, ())
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        return _inert
-
-
-def _inert(*_args: Any) -> None:
-    return None
-
-
-def _inert_hook() -> Any:
-    return _inert
 
 
 def _device(module: nn.Module) -> torch.device:
